@@ -1,0 +1,3 @@
+from lmscli.cli import main
+
+main()

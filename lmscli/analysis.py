@@ -1,0 +1,250 @@
+"""The analysis pass: what the graph is and how much memory one training step needs without swapping.
+
+``prepare()`` turns a loaded :class:`~lmscli.loader.Model` into a :class:`Prepared` graph (shapes
+inferred, batch size applied, execution schedule built); ``analyze()`` derives an immutable
+:class:`Analysis` from it. Both are pure with respect to their inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from lmscli.candidates import Filters, candidates
+from lmscli.errors import InputError
+from lmscli.graphview import VARIABLE_OPS, GraphView
+from lmscli.loader import Model
+from lmscli.schedule import Schedule, build_schedule, variable_bytes
+from lmscli.simulator import SimResult, simulate
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A model ready for the passes: the view with shapes, and the step's schedule."""
+
+    model: Model
+    graph_def: object  # the GraphDef the view describes (batch size applied)
+    view: GraphView
+    schedule: Schedule
+    batch_size: int | None
+    batched_placeholders: tuple[str, ...]
+
+
+def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grappler",
+            flops: float = 15.7e12, mem_bandwidth: float = 900e9) -> Prepared:
+    """Infer shapes (applying ``batch_size`` to unknown placeholder batch dims) and build the schedule.
+
+    ``cost_model="grappler"`` orders and times ops by Grappler's virtual scheduler on a virtual
+    GPU (TensorFlow's own analytical model); ``"roofline"`` uses our FLOP/byte model. If Grappler
+    cannot schedule the graph, the roofline model is used and a note says so.
+    """
+    from lmscli import shapes
+
+    if cost_model not in ("grappler", "roofline"):
+        raise InputError(f"unknown cost model {cost_model!r} (use grappler or roofline)")
+    graph_def = model.graph_def
+    changed: list[str] = []
+    if batch_size is not None:
+        graph_def, changed = shapes.set_batch_size(graph_def, batch_size)
+    tensors = shapes.infer(graph_def)
+    view = GraphView(graph_def, tensors)
+    for name in model.fetches:
+        if name not in view.index:
+            raise InputError(f"fetch {name!r} is not a node of the graph")
+    trace = None
+    if cost_model == "grappler":
+        from lmscli import grappler
+        from lmscli.errors import LmsError
+
+        meta = model.meta_graph
+        if changed:
+            meta = with_graph_def(model.meta_graph, graph_def)
+        try:
+            trace = grappler.trace(meta, model.fetches)
+        except LmsError as exc:
+            model.notes.append(f"{exc}; ordering ops with the roofline cost model instead")
+    schedule = build_schedule(view, model.fetches, flops=flops, mem_bandwidth=mem_bandwidth, trace=trace)
+    return Prepared(model, graph_def, view, schedule, batch_size, tuple(changed))
+
+
+def with_graph_def(meta_graph, graph_def):
+    """A copy of ``meta_graph`` holding ``graph_def``."""
+    copy = type(meta_graph)()
+    copy.CopyFrom(meta_graph)
+    copy.graph_def.CopyFrom(graph_def)
+    return copy
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    name: str
+    type: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class UnknownTensor:
+    name: str
+    shape: str
+    dtype: str
+    known_bytes: int  # bytes of the known dims (a lower bound)
+
+
+@dataclass(frozen=True)
+class Analysis:
+    model: str
+    path: str
+    format: str
+    fetches: tuple[str, ...]
+    fetch_source: str
+    notes: tuple[str, ...]
+    batch_size: int | None
+    vertices: int
+    active_vertices: int
+    data_edges: int
+    control_edges: int
+    edges: int
+    parameter_bytes: int
+    variable_bytes: int
+    constant_bytes: int
+    largest_op: OpInfo | None
+    levels: int
+    peak_bytes: int
+    activation_peak_bytes: int
+    peak_op: str | None
+    lower_bound_bytes: int
+    lower_bound_op: str | None
+    while_loops: int
+    conds: int
+    swappable_tensors: int
+    swappable_bytes: int
+    unknown_tensors: int
+    largest_unknown: tuple[UnknownTensor, ...]
+    top_live_at_peak: tuple[OpInfo, ...]
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["edges"] = {"data": self.data_edges, "control": self.control_edges, "total": self.edges}
+        del data["data_edges"], data["control_edges"]
+        return {"schema": "lms.analysis", "version": SCHEMA_VERSION, **data}
+
+
+def trainable_names(model: Model) -> set[str] | None:
+    """Node names of the trainable variables per the MetaGraphDef collections (None when absent)."""
+    meta = model.meta_graph
+    if "trainable_variables" not in meta.collection_def:
+        return None
+    from tensorflow.core.framework import variable_pb2
+
+    names = set()
+    for raw in meta.collection_def["trainable_variables"].bytes_list.value:
+        var = variable_pb2.VariableDef()
+        try:
+            var.ParseFromString(raw)
+        except Exception:
+            continue
+        names.add(var.variable_name.rsplit(":", 1)[0])
+    return names
+
+
+def largest_op(view: GraphView, nodes) -> OpInfo | None:
+    """The GPU op with the largest inputs-plus-outputs bytes (ties: by name)."""
+    best = None
+    for i in nodes:
+        if view.on_host(i):
+            continue
+        total = sum(view.tensor_bytes(src, out) for src, out in view.data_inputs[i])
+        total += sum(info.num_bytes or 0 for info in view.outputs(i))
+        key = (total, view.names[i])
+        if best is None or (key[0] > best[0] or (key[0] == best[0] and key[1] < best[1])):
+            best = key + (view.ops[i],)
+    return OpInfo(best[1], best[2], best[0]) if best else None
+
+
+def lower_bound(prepared: Prepared, swappable: set[int]) -> tuple[int, int | None]:
+    """No swap plan can go below: at some op, its own inputs and outputs plus every tensor that is
+    live across it and cannot be swapped, plus the resident variables and constants.
+    Returns (bytes, position of the binding op)."""
+    schedule = prepared.schedule
+    n = len(schedule)
+    # Unswappable tensors alive while each op runs (producer..last consumer, inclusive).
+    pinned = [0] * (n + 1)
+    for t in schedule.tensors:
+        if t.id not in swappable:
+            last = t.consumers[-1] if t.consumers else t.producer
+            pinned[t.producer] += t.num_bytes
+            pinned[last + 1] -= t.num_bytes
+    own_swappable = [0] * n
+    for t in schedule.tensors:
+        if t.id in swappable:
+            for k in {t.producer, *t.consumers}:
+                own_swappable[k] += t.num_bytes
+    best, best_pos, running = 0, None, 0
+    for k in range(n):
+        running += pinned[k]
+        if running + own_swappable[k] > best:
+            best, best_pos = running + own_swappable[k], k
+    return best + schedule.resident_bytes, best_pos
+
+
+def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filters = Filters()) -> Analysis:
+    model, view, schedule = prepared.model, prepared.view, prepared.schedule
+    active = schedule.nodes
+    result = baseline or simulate(schedule)
+    trainable = trainable_names(model)
+    var_nodes = [i for i in range(view.size) if view.ops[i] in VARIABLE_OPS]
+    all_var_bytes = sum(variable_bytes(view, i) for i in var_nodes)
+    if trainable is None:
+        param_bytes = all_var_bytes
+    else:
+        param_bytes = sum(variable_bytes(view, i) for i in var_nodes if view.names[i] in trainable)
+    cands = candidates(view, schedule, filters)
+    lb, lb_pos = lower_bound(prepared, set(cands))
+    unknown = []
+    for i in active:
+        for k, info in enumerate(view.outputs(i)):
+            if info.num_bytes is None:
+                shape = "<unknown rank>" if info.shape is None else "[" + ", ".join(
+                    "?" if d is None else str(d) for d in info.shape) + "]"
+                unknown.append(UnknownTensor(f"{view.names[i]}:{k}", shape, info.dtype,
+                                             info.known_elements * info.itemsize))
+    unknown.sort(key=lambda u: (-u.known_bytes, u.name))
+    top = []
+    for kind, tid, size in result.live_at_peak[:10]:
+        t = schedule.tensors[tid]
+        label = f"{schedule.names[t.producer]}:{t.output}" + (" (swap-in)" if kind == "swapin" else "")
+        top.append(OpInfo(label, schedule.ops[t.producer], size))
+    loops = {view.frames[i] for i in range(view.size) if view.frames[i]}
+    conds = sum(1 for i in range(view.size) if view.ops[i] in ("Switch", "RefSwitch") and not view.frames[i])
+    return Analysis(
+        model=model.name,
+        path=model.path,
+        format=model.format,
+        fetches=tuple(model.fetches),
+        fetch_source=model.fetch_source,
+        notes=tuple(model.notes),
+        batch_size=prepared.batch_size,
+        vertices=view.size,
+        active_vertices=len(active),
+        data_edges=view.num_data_edges,
+        control_edges=view.num_control_edges,
+        edges=view.num_data_edges + view.num_control_edges,
+        parameter_bytes=param_bytes,
+        variable_bytes=all_var_bytes,
+        constant_bytes=schedule.constant_bytes,
+        largest_op=largest_op(view, active),
+        levels=(max(view.levels) + 1) if view.size else 0,
+        peak_bytes=result.peak_bytes,
+        activation_peak_bytes=result.activation_peak_bytes,
+        peak_op=schedule.names[result.peak_position] if len(schedule) else None,
+        lower_bound_bytes=lb,
+        lower_bound_op=schedule.names[lb_pos] if lb_pos is not None else None,
+        while_loops=len(loops),
+        conds=conds,
+        swappable_tensors=len(cands),
+        swappable_bytes=sum(schedule.tensors[t].num_bytes for t in cands),
+        unknown_tensors=len(unknown),
+        largest_unknown=tuple(unknown[:5]),
+        top_live_at_peak=tuple(top),
+    )

@@ -1,0 +1,105 @@
+"""Which tensors may be swapped, and which consumers may be rewired to a swap-in.
+
+A tensor is a *candidate* when swapping it is both safe and useful:
+
+* its producer is an active GPU op outside any v1 while-loop frame and is not a control-flow op,
+  a constant, a variable, a variable read, a placeholder or an identity-like op;
+* its dtype is numeric (no resource, variant or string handles), its rank is at least 2 and its
+  size is known;
+* at least one consumer is *rewirable*: a GPU op outside while-loop frames that is not itself a
+  control-flow op (those need their inputs in a particular frame or form).
+
+User filters (name scopes and op types, for producers and consumers) narrow this further.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lmscli.graphview import CONTROL_FLOW_OPS, VARIABLE_OPS, GraphView
+from lmscli.schedule import Schedule
+
+NEVER_SWAP_PRODUCERS = frozenset(
+    {"Const", "HostConst", "Placeholder", "PlaceholderWithDefault", "Identity", "IdentityN", "Snapshot",
+     "ReadVariableOp", "ResourceGather", "StopGradient", "Shape", "ShapeN", "Size", "Rank",
+     "RandomUniform", "RandomStandardNormal", "TruncatedNormal", "RandomUniformInt",
+     "StatelessRandomUniformV2", "StatelessRandomNormalV2", "StatelessTruncatedNormalV2"}
+) | VARIABLE_OPS | CONTROL_FLOW_OPS
+
+
+@dataclass(frozen=True)
+class Filters:
+    """Include/exclude filters by name scope (prefix) and op type, for producers and consumers."""
+
+    include_scopes: tuple[str, ...] = ()
+    exclude_scopes: tuple[str, ...] = ()
+    include_types: tuple[str, ...] = ()
+    exclude_types: tuple[str, ...] = ()
+    include_consumer_scopes: tuple[str, ...] = ()
+    exclude_consumer_scopes: tuple[str, ...] = ()
+    include_consumer_types: tuple[str, ...] = ()
+    exclude_consumer_types: tuple[str, ...] = ()
+
+    @staticmethod
+    def _ok(name: str, op: str, inc_scopes, exc_scopes, inc_types, exc_types) -> bool:
+        if inc_scopes and not any(_in_scope(name, s) for s in inc_scopes):
+            return False
+        if any(_in_scope(name, s) for s in exc_scopes):
+            return False
+        if inc_types and op not in inc_types:
+            return False
+        return op not in exc_types
+
+    def producer_ok(self, name: str, op: str) -> bool:
+        return self._ok(name, op, self.include_scopes, self.exclude_scopes, self.include_types, self.exclude_types)
+
+    def consumer_ok(self, name: str, op: str) -> bool:
+        return self._ok(name, op, self.include_consumer_scopes, self.exclude_consumer_scopes,
+                        self.include_consumer_types, self.exclude_consumer_types)
+
+    def to_dict(self) -> dict:
+        return {k: list(v) for k, v in self.__dict__.items() if v}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Filters":
+        return cls(**{k: tuple(v) for k, v in (data or {}).items()})
+
+
+def _in_scope(name: str, scope: str) -> bool:
+    scope = scope.rstrip("/")
+    return name == scope or name.startswith(scope + "/")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    tensor: int  # SimTensor id
+    rewirable: tuple[int, ...]  # consumer positions that may read a swap-in
+    pinned: tuple[int, ...] = field(default=())  # consumer positions that must read the GPU copy
+
+
+def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters()) -> dict[int, Candidate]:
+    """Candidate tensors of ``schedule`` keyed by tensor id (see the module docstring)."""
+    out: dict[int, Candidate] = {}
+    for t in schedule.tensors:
+        p = t.producer
+        node = schedule.nodes[p]
+        op = view.ops[node]
+        if not schedule.on_gpu[p] or op in NEVER_SWAP_PRODUCERS or view.in_loop(node):
+            continue
+        info = view.tensor(node, t.output)
+        if info is None or info.num_bytes is None or info.itemsize == 0 or (info.rank or 0) < 2:
+            continue
+        if not filters.producer_ok(view.names[node], op):
+            continue
+        rewirable, pinned = [], []
+        for c in t.consumers:
+            cnode = schedule.nodes[c]
+            cop = view.ops[cnode]
+            if (schedule.on_gpu[c] and cop not in CONTROL_FLOW_OPS and not view.in_loop(cnode)
+                    and filters.consumer_ok(view.names[cnode], cop)):
+                rewirable.append(c)
+            else:
+                pinned.append(c)
+        if rewirable:
+            out[t.id] = Candidate(t.id, tuple(rewirable), tuple(pinned))
+    return out

@@ -1,0 +1,40 @@
+"""One error family for the whole library, and the exit-code table.
+
+The library raises these; only the CLI turns them into exit codes.
+
+| code | meaning                                              |
+|------|------------------------------------------------------|
+| 0    | success                                              |
+| 1    | bad input or a failed run (:class:`LmsError`)        |
+| 2    | usage error (Click's own)                            |
+| 3    | no plan fits the budget (:class:`NoFitError`)        |
+"""
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_NO_FIT = 3
+
+
+class LmsError(Exception):
+    """Base of every error the library raises on purpose; the message says what to do."""
+
+    exit_code = EXIT_ERROR
+
+
+class InputError(LmsError):
+    """The input file or directory cannot be read as a graph."""
+
+
+class GraphError(LmsError):
+    """The graph is readable but malformed (dangling inputs, duplicate names, cycles)."""
+
+
+class PlanError(LmsError):
+    """A plan file is malformed or does not match the graph it is applied to."""
+
+
+class NoFitError(LmsError):
+    """No swap plan fits the budget. A result, not a crash."""
+
+    exit_code = EXIT_NO_FIT

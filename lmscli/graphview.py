@@ -1,0 +1,275 @@
+"""A read-only, index-based view of a GraphDef: nodes, edges, frames, levels and tensor sizes.
+
+Everything downstream (analysis, simulator, planner, rewriter) works on this view rather than on
+protobufs. Nodes are addressed by their index in the GraphDef; tensors by ``(node, output)``.
+The view is built once and never mutated.
+
+Structure rules follow TensorFlow's executor:
+
+* ``NextIteration -> Merge`` edges are the back edges of v1 while loops; they are ignored for
+  ordering and cycle detection, exactly as TensorFlow ignores them.
+* A node's *frame* is ``""`` outside any v1 while loop; ``Enter`` opens the child frame named by
+  its ``frame_name`` attribute, ``Exit`` returns to the parent frame.
+* A node's *cond depth* counts the ``Switch`` outputs it depends on minus the ``Merge`` nodes
+  passed since; a node with depth > 0 may be dead (in the untaken branch of a ``tf.cond``).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from lmscli.errors import GraphError
+
+CONTROL_FLOW_OPS = frozenset(
+    {"Enter", "RefEnter", "Exit", "RefExit", "Merge", "RefMerge", "Switch", "RefSwitch",
+     "NextIteration", "RefNextIteration", "LoopCond", "ControlTrigger"}
+)
+VARIABLE_OPS = frozenset({"VarHandleOp", "VariableV2", "Variable", "AutoReloadVariable"})
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Static facts about one output: shape (``None`` entries are unknown dims), dtype and size."""
+
+    shape: tuple | None  # None: unknown rank
+    dtype: str
+    itemsize: int  # 0 for handles (resource, variant) and strings
+    num_bytes: int | None  # None when the shape is not fully known
+
+    @property
+    def rank(self) -> int | None:
+        return None if self.shape is None else len(self.shape)
+
+    @property
+    def known_elements(self) -> int:
+        """Product of the known dims (a lower bound on the element count)."""
+        total = 1
+        for dim in self.shape or ():
+            if dim is not None:
+                total *= dim
+        return total
+
+
+def parse_input(text: str) -> tuple[str, int, bool]:
+    """``'a:1' -> ('a', 1, False)``, ``'a' -> ('a', 0, False)``, ``'^a' -> ('a', -1, True)``."""
+    if text.startswith("^"):
+        return text[1:], -1, True
+    name, sep, index = text.rpartition(":")
+    if sep and index.isdigit():
+        return name, int(index), False
+    return text, 0, False
+
+
+def tensor_name(node: str, output: int) -> str:
+    return f"{node}:{output}"
+
+
+@dataclass(frozen=True)
+class Edge:
+    src: int
+    output: int  # -1 for a control edge
+    dst: int
+    port: int  # input position on dst; -1 for a control edge
+
+
+class GraphView:
+    """Index-based read-only view of a GraphDef (see the module docstring)."""
+
+    def __init__(self, graph_def, tensors: dict[str, Sequence[TensorInfo]] | None = None):
+        nodes = list(graph_def.node)
+        self.node_defs = nodes
+        self.names: list[str] = [n.name for n in nodes]
+        self.ops: list[str] = [n.op for n in nodes]
+        self.devices: list[str] = [n.device for n in nodes]
+        self.index: dict[str, int] = {}
+        duplicates = []
+        for i, name in enumerate(self.names):
+            if name in self.index:
+                duplicates.append(name)
+            self.index[name] = i
+        if duplicates:
+            raise GraphError(
+                f"duplicate node name {duplicates[0]!r} ({len(duplicates)} duplicate(s)); "
+                "node names must be unique"
+            )
+        self.frame_names: list[str] = []
+        self.data_inputs: list[list[tuple[int, int]]] = []
+        self.control_inputs: list[list[int]] = []
+        for node in nodes:
+            data, control = [], []
+            for text in node.input:
+                name, output, is_control = parse_input(text)
+                src = self.index.get(name)
+                if src is None:
+                    raise GraphError(
+                        f"node {node.name!r} reads {text!r}, but the graph has no node {name!r} "
+                        "(dangling input)"
+                    )
+                if is_control:
+                    control.append(src)
+                else:
+                    data.append((src, output))
+            self.data_inputs.append(data)
+            self.control_inputs.append(control)
+            attr = node.attr.get("frame_name")
+            self.frame_names.append(attr.s.decode("utf-8", "replace") if attr is not None else "")
+        n = len(nodes)
+        self.size = n
+        self.consumers: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]  # (dst, port, output)
+        self.control_consumers: list[list[int]] = [[] for _ in range(n)]
+        for dst in range(n):
+            for port, (src, output) in enumerate(self.data_inputs[dst]):
+                self.consumers[src].append((dst, port, output))
+            for src in self.control_inputs[dst]:
+                self.control_consumers[src].append(dst)
+        self.num_data_edges = sum(len(d) for d in self.data_inputs)
+        self.num_control_edges = sum(len(c) for c in self.control_inputs)
+        self.order = self._topological_order()
+        self.levels = self._levels()
+        self.frames, self.frame_parent = self._frames()
+        self.cond_depth = self._cond_depths()
+        self._tensors = {k: tuple(v) for k, v in (tensors or {}).items()}
+
+    # ------------------------------------------------------------------ structure
+    def is_back_edge(self, src: int, dst: int) -> bool:
+        return self.ops[src] in ("NextIteration", "RefNextIteration") and self.ops[dst] in ("Merge", "RefMerge")
+
+    def predecessors(self, i: int) -> Iterable[int]:
+        """Data and control predecessors of ``i``, back edges excluded."""
+        for src, _ in self.data_inputs[i]:
+            if not self.is_back_edge(src, i):
+                yield src
+        for src in self.control_inputs[i]:
+            if not self.is_back_edge(src, i):
+                yield src
+
+    def successors(self, i: int) -> Iterable[int]:
+        for dst, _, _ in self.consumers[i]:
+            if not self.is_back_edge(i, dst):
+                yield dst
+        for dst in self.control_consumers[i]:
+            if not self.is_back_edge(i, dst):
+                yield dst
+
+    def _topological_order(self) -> list[int]:
+        """Kahn's algorithm with ties broken by node name: independent of GraphDef node order."""
+        indegree = [0] * self.size
+        for i in range(self.size):
+            for _ in self.predecessors(i):
+                indegree[i] += 1
+        ready = [(self.names[i], i) for i in range(self.size) if indegree[i] == 0]
+        heapq.heapify(ready)
+        order = []
+        while ready:
+            _, i = heapq.heappop(ready)
+            order.append(i)
+            for j in self.successors(i):
+                indegree[j] -= 1
+                if indegree[j] == 0:
+                    heapq.heappush(ready, (self.names[j], j))
+        if len(order) != self.size:
+            placed = set(order)
+            stuck = sorted(self.names[i] for i in range(self.size) if i not in placed)
+            raise GraphError(
+                f"the graph has a cycle through {len(stuck)} node(s), e.g. {stuck[0]!r} "
+                "(only NextIteration->Merge back edges of while loops may close a cycle)"
+            )
+        return order
+
+    def _levels(self) -> list[int]:
+        """Categorized topological sort: level = longest path from a source (sources are level 0)."""
+        levels = [0] * self.size
+        for i in self.order:
+            best = -1
+            for src in self.predecessors(i):
+                if levels[src] > best:
+                    best = levels[src]
+            levels[i] = best + 1
+        return levels
+
+    def _frames(self) -> tuple[list[str], dict[str, str]]:
+        frames = [""] * self.size
+        parent: dict[str, str] = {}
+        for i in self.order:
+            preds = [src for src, _ in self.data_inputs[i] if not self.is_back_edge(src, i)]
+            preds += [src for src in self.control_inputs[i] if not self.is_back_edge(src, i)]
+            # A node's frame is that of its inputs; Exit leaves its input's frame.
+            inner = ""
+            for src in preds:
+                frame = frames[src]
+                if self.ops[src] in ("Exit", "RefExit"):
+                    frame = parent.get(frame, "")
+                if len(frame) > len(inner):
+                    inner = frame
+            if self.ops[i] in ("Enter", "RefEnter"):
+                child = (inner + "/" if inner else "") + (self.frame_names[i] or self.names[i])
+                parent.setdefault(child, inner)
+                inner = child
+            frames[i] = inner
+        return frames, parent
+
+    def _cond_depths(self) -> list[int]:
+        depth = [0] * self.size
+        for i in self.order:
+            best = 0
+            for src, _ in self.data_inputs[i]:
+                if self.is_back_edge(src, i):
+                    continue
+                d = depth[src] + (1 if self.ops[src] in ("Switch", "RefSwitch") else 0)
+                best = max(best, d)
+            for src in self.control_inputs[i]:
+                d = depth[src] + (1 if self.ops[src] in ("Switch", "RefSwitch") else 0)
+                best = max(best, d)
+            if self.ops[i] in ("Merge", "RefMerge") and not self.frames[i]:
+                best = max(best - 1, 0)
+            depth[i] = best
+        return depth
+
+    def ancestors(self, roots: Iterable[int]) -> set[int]:
+        """All nodes that ``roots`` depend on (data or control), roots included."""
+        seen = set()
+        stack = list(roots)
+        while stack:
+            i = stack.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            stack.extend(src for src, _ in self.data_inputs[i])
+            stack.extend(self.control_inputs[i])
+        return seen
+
+    def sinks(self) -> list[int]:
+        return [i for i in range(self.size) if not self.consumers[i] and not self.control_consumers[i]]
+
+    # ------------------------------------------------------------------ tensors
+    def outputs(self, i: int) -> tuple[TensorInfo, ...]:
+        return self._tensors.get(self.names[i], ())
+
+    def tensor(self, i: int, output: int) -> TensorInfo | None:
+        outs = self.outputs(i)
+        return outs[output] if 0 <= output < len(outs) else None
+
+    def tensor_bytes(self, i: int, output: int) -> int:
+        """Bytes of a tensor; 0 when unknown (unknown tensors are listed by the analysis)."""
+        info = self.tensor(i, output)
+        return info.num_bytes or 0 if info is not None else 0
+
+    def attr_bool(self, i: int, key: str) -> bool:
+        attr = self.node_defs[i].attr.get(key)
+        return bool(attr.b) if attr is not None else False
+
+    def on_host(self, i: int) -> bool:
+        """True when the node is explicitly placed on a CPU: its outputs do not use GPU memory."""
+        device = self.devices[i].lower()
+        return "cpu" in device and "gpu" not in device
+
+    def in_loop(self, i: int) -> bool:
+        return bool(self.frames[i])
+
+    def conditional(self, i: int) -> bool:
+        return self.cond_depth[i] > 0
+
+    def name_of(self, i: int, output: int | None = None) -> str:
+        return self.names[i] if output is None else tensor_name(self.names[i], output)

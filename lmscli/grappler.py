@@ -1,0 +1,113 @@
+"""TensorFlow's own memory estimate: Grappler's VirtualCluster on a virtual GPU.
+
+An independent judge for our simulator and our plans. Nodes with no device are placed on the
+virtual GPU; nodes explicitly on a CPU (our swap-outs) stay on the host. Grappler does not count
+variable storage, so callers add resident bytes themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lmscli.errors import LmsError
+from lmscli.tfimport import tensorflow
+
+GPU = "/job:localhost/replica:0/task:0/device:GPU:0"
+CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
+
+
+@dataclass(frozen=True)
+class GrapplerEstimate:
+    gpu_peak_bytes: int  # tensors only (no variable storage)
+    host_peak_bytes: int
+    live_at_peak: tuple[tuple[str, int, int], ...]  # (node, output, bytes), largest first
+
+
+def _cluster(gpu_mem: int):
+    tensorflow()
+    from tensorflow.core.protobuf import device_properties_pb2
+    from tensorflow.python.grappler import cluster as gcluster
+
+    gpu = device_properties_pb2.DeviceProperties(
+        type="GPU", vendor="NVIDIA", model="virtual", frequency=1530, num_cores=80,
+        memory_size=int(gpu_mem), bandwidth=900_000_000,  # KB/s l1_cache_size=128 * 1024, l2_cache_size=6 << 20,
+        environment={"architecture": "7.0", "cuda": "11000", "cudnn": "8000"},
+    )
+    cpu = device_properties_pb2.DeviceProperties(
+        type="CPU", frequency=2000, num_cores=2, memory_size=1 << 40, bandwidth=50_000_000,
+    )
+    return gcluster.Cluster(
+        disable_detailed_stats=False, disable_timeline=False,
+        devices=[device_properties_pb2.NamedDevice(name=GPU, properties=gpu),
+                 device_properties_pb2.NamedDevice(name=CPU, properties=cpu)],
+    )
+
+
+def placed_metagraph(meta_graph, fetches):
+    """A copy of ``meta_graph`` with unplaced nodes on the virtual GPU and a ``train_op`` collection."""
+    tensorflow()
+    from tensorflow.core.protobuf import meta_graph_pb2
+
+    meta = meta_graph_pb2.MetaGraphDef()
+    meta.CopyFrom(meta_graph)
+    for node in meta.graph_def.node:
+        device = node.device.lower()
+        if not device:
+            node.device = GPU
+        elif "cpu" in device:
+            node.device = CPU
+        elif "gpu" in device:
+            node.device = GPU
+    meta.collection_def["train_op"].Clear()
+    meta.collection_def["train_op"].node_list.value.extend(fetches)
+    return meta
+
+
+def estimate_peak(meta_graph, fetches, gpu_mem: int = 1 << 50) -> GrapplerEstimate:
+    """Grappler's peak memory per device for one step fetching ``fetches``."""
+    from tensorflow.python.grappler import item as gitem
+
+    meta = placed_metagraph(meta_graph, fetches)
+    try:
+        item = gitem.Item(meta)
+        peaks = _cluster(gpu_mem).DeterminePeakMemoryUsage(item)
+    except Exception as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise LmsError(f"Grappler could not estimate the graph's memory: {text}") from None
+    gpu_peak = host_peak = 0
+    live = ()
+    for device, (peak, tensors) in peaks.items():
+        if "GPU" in device.upper():
+            gpu_peak = int(peak)
+            live = tuple(sorted(((t[0], int(t[1]), int(t[2])) for t in tensors), key=lambda x: (-x[2], x[0], x[1])))
+        else:
+            host_peak = max(host_peak, int(peak))
+    return GrapplerEstimate(gpu_peak, host_peak, live)
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Grappler's virtual-scheduler run: execution order and per-op time in microseconds."""
+
+    order: tuple[str, ...]
+    micros: dict
+
+
+def trace(meta_graph, fetches, gpu_mem: int = 1 << 50) -> Trace:
+    """Run Grappler's virtual scheduler (analytical cost model, first-ready order) on a virtual GPU."""
+    from tensorflow.python.grappler import item as gitem
+
+    meta = placed_metagraph(meta_graph, fetches)
+    try:
+        item = gitem.Item(meta)
+        _perfs, _run_time, step_stats = _cluster(gpu_mem).MeasureCosts(item)
+    except Exception as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise LmsError(f"Grappler could not schedule the graph: {text}") from None
+    rows = []
+    for dev in step_stats.dev_stats:
+        for seq, ns in enumerate(dev.node_stats):
+            rows.append((ns.all_start_micros, "GPU" not in dev.device.upper(), seq, ns.node_name,
+                         ns.op_end_rel_micros))
+    rows.sort()
+    return Trace(tuple(r[3] for r in rows), {r[3]: int(r[4]) for r in rows})

@@ -1,0 +1,145 @@
+"""The plan: which tensors to swap, which consumers read a swap-in, and what triggers each swap-in.
+
+A plan names everything by graph names, so it can be reviewed, stored as JSON, and re-applied
+with ``lms rewrite --plan``. :func:`to_sim` maps it onto a schedule for the simulator.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+from lmscli.errors import PlanError
+from lmscli.schedule import Schedule
+from lmscli.simulator import SimSwap, SwapIn
+
+PLAN_SCHEMA = "lms.plan"
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PlannedSwapIn:
+    consumers: tuple[str, ...]  # op names rewired to read the swap-in
+    trigger: str  # op whose completion starts the swap-in (a control edge in the graph)
+
+
+@dataclass(frozen=True)
+class PlannedSwap:
+    tensor: str  # "node:output"
+    bytes: int
+    near: tuple[str, ...]  # consumers that keep reading the GPU copy
+    swap_ins: tuple[PlannedSwapIn, ...]
+    sync_out: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    graph_sha256: str
+    fetches: tuple[str, ...]
+    batch_size: int | None
+    device: dict
+    strategy: str
+    parameters: dict
+    swaps: tuple[PlannedSwap, ...]
+    serialize: tuple[tuple[str, ...], ...] = ()  # chains of op names to run one after another
+    predicted: dict = field(default_factory=dict)
+    grappler: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        return {"schema": PLAN_SCHEMA, "version": PLAN_VERSION, **data}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
+
+    @property
+    def swap_out_bytes(self) -> int:
+        return sum(s.bytes for s in self.swaps)
+
+    @property
+    def swap_in_bytes(self) -> int:
+        return sum(s.bytes * len(s.swap_ins) for s in self.swaps)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        if data.get("schema") != PLAN_SCHEMA:
+            raise PlanError(f"not an lms plan (schema {data.get('schema')!r}, expected {PLAN_SCHEMA!r})")
+        if data.get("version") != PLAN_VERSION:
+            raise PlanError(f"plan version {data.get('version')} is not supported (this lms reads {PLAN_VERSION})")
+        try:
+            swaps = tuple(
+                PlannedSwap(
+                    tensor=s["tensor"], bytes=int(s["bytes"]), near=tuple(s.get("near", ())),
+                    swap_ins=tuple(PlannedSwapIn(tuple(g["consumers"]), g["trigger"]) for g in s["swap_ins"]),
+                    sync_out=bool(s.get("sync_out", False)),
+                )
+                for s in data["swaps"]
+            )
+            return cls(
+                model=data["model"], graph_sha256=data["graph_sha256"], fetches=tuple(data["fetches"]),
+                batch_size=data.get("batch_size"), device=dict(data.get("device", {})),
+                strategy=data.get("strategy", "manual"), parameters=dict(data.get("parameters", {})),
+                swaps=swaps, serialize=tuple(tuple(c) for c in data.get("serialize", ())),
+                predicted=dict(data.get("predicted", {})), grappler=dict(data.get("grappler", {})),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"malformed plan: missing or bad field {exc}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"the plan is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        if not isinstance(data, dict):
+            raise PlanError("the plan is not a JSON object")
+        return cls.from_dict(data)
+
+
+def graph_fingerprint(graph_def) -> str:
+    return hashlib.sha256(graph_def.SerializeToString(deterministic=True)).hexdigest()
+
+
+def tensor_ids(schedule: Schedule) -> dict[str, int]:
+    return {f"{schedule.names[t.producer]}:{t.output}": t.id for t in schedule.tensors}
+
+
+def to_sim(plan_swaps, schedule: Schedule) -> list[SimSwap]:
+    """Map named swaps onto ``schedule`` positions; raises PlanError for names it does not know."""
+    ids = tensor_ids(schedule)
+    position = {name: k for k, name in enumerate(schedule.names)}
+
+    def pos(name: str, what: str) -> int:
+        if name not in position:
+            raise PlanError(f"the plan names {what} {name!r}, which this graph's step does not run")
+        return position[name]
+
+    out = []
+    for swap in plan_swaps:
+        if swap.tensor not in ids:
+            raise PlanError(f"the plan swaps {swap.tensor!r}, which is not a tensor of this graph's step")
+        groups = tuple(
+            SwapIn(tuple(sorted(pos(c, "consumer") for c in g.consumers)), pos(g.trigger, "trigger"))
+            for g in swap.swap_ins
+        )
+        out.append(SimSwap(ids[swap.tensor], tuple(sorted(pos(c, "consumer") for c in swap.near)), groups,
+                           swap.sync_out))
+    return out
+
+
+def from_sim(sim_swaps, schedule: Schedule) -> tuple[PlannedSwap, ...]:
+    """Name positions in ``sim_swaps``; swaps come out sorted by producer position, then output."""
+    out = []
+    for s in sorted(sim_swaps, key=lambda s: (schedule.tensors[s.tensor].producer, schedule.tensors[s.tensor].output)):
+        t = schedule.tensors[s.tensor]
+        out.append(PlannedSwap(
+            tensor=f"{schedule.names[t.producer]}:{t.output}",
+            bytes=t.num_bytes,
+            near=tuple(schedule.names[c] for c in s.near),
+            swap_ins=tuple(PlannedSwapIn(tuple(schedule.names[c] for c in g.consumers), schedule.names[g.trigger])
+                           for g in s.groups),
+            sync_out=s.sync_out,
+        ))
+    return tuple(out)

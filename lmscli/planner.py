@@ -1,0 +1,406 @@
+"""The tuning pass: choose swaps that fit a device, with their cost predicted by the simulator.
+
+Two strategies produce the same kind of plan:
+
+``lms`` (default)
+    Per-tensor greedy planning in the simulator's own memory profile. While some op runs over
+    budget, take the worst one; among the tensors live across it whose next use can be brought
+    back in time, swap the one that removes the most excess memory (ties: fewer bytes). The
+    swap-in trigger is the latest ancestor of the consumer that still leaves the transfer
+    time before the consumer starts, so no stall is planned. The profile is updated in place and
+    re-simulated whenever it says the plan fits. A refinement pass then drops every swap the
+    plan can do without, largest first, so the plan swaps as few bytes as it can.
+
+``tflms``
+    TFLMS v2's parameter space (swapout_threshold, swapin_ahead, swapin_groupby, sync_mode) in
+    level space, and its binary-search auto-tuning, but judged by our simulator.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lmscli.analysis import Prepared, lower_bound
+from lmscli.candidates import Candidate, Filters, candidates
+from lmscli.device import Device
+from lmscli.errors import NoFitError
+from lmscli.graphview import CONTROL_FLOW_OPS
+from lmscli.plan import Plan, from_sim, graph_fingerprint
+from lmscli.schedule import Schedule
+from lmscli.simulator import SimResult, SimSwap, SwapIn, simulate, transfer_us
+from lmscli.units import format_size
+
+
+@dataclass(frozen=True)
+class TflmsParams:
+    swapout_threshold: int = 1
+    swapin_ahead: int = 1
+    swapin_groupby: int = 0
+    sync_mode: int = 0
+
+    def line(self) -> str:
+        return (f"swapout_threshold {self.swapout_threshold}, swapin_ahead {self.swapin_ahead}, "
+                f"swapin_groupby {self.swapin_groupby}, sync_mode {self.sync_mode}")
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    strategy: str = "lms"
+    filters: Filters = Filters()
+    tflms: TflmsParams | None = None  # given: skip the search and apply these parameters
+    sync_mode: int = 0  # tflms search: the sync_mode to start from
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    plan: Plan
+    baseline: SimResult
+    result: SimResult
+    budget: int
+    necessary: bool
+    log: tuple[str, ...] = field(default=())
+
+    @property
+    def fits(self) -> bool:
+        return self.result.peak_bytes <= self.budget
+
+
+class _Context:
+    """Per-tuning lookups over the schedule: predecessors by position, trigger eligibility."""
+
+    def __init__(self, prepared: Prepared, device: Device, filters: Filters):
+        self.prepared = prepared
+        self.view = prepared.view
+        self.schedule: Schedule = prepared.schedule
+        self.device = device
+        self.cands: dict[int, Candidate] = candidates(self.view, self.schedule, filters)
+        sched = self.schedule
+        pos_of = {node: k for k, node in enumerate(sched.nodes)}
+        self.preds: list[list[int]] = []
+        for node in sched.nodes:
+            self.preds.append(sorted({pos_of[s] for s in self.view.predecessors(node) if s in pos_of}))
+        self.can_trigger = [
+            sched.on_gpu[k] and not self.view.in_loop(node) and not self.view.conditional(node)
+            and sched.ops[k] not in CONTROL_FLOW_OPS
+            for k, node in enumerate(sched.nodes)
+        ]
+
+    def trigger(self, consumer: int, latest: int, earliest: int) -> int | None:
+        """The latest ancestor of ``consumer`` at a position in [earliest, latest] fit to trigger a
+        swap-in (a GPU op outside loops and cond branches), or None. Ancestors are visited in
+        decreasing position, so the first fit one is the latest."""
+        heap = [-p for p in self.preds[consumer]]
+        heapq.heapify(heap)
+        seen = set(self.preds[consumer])
+        while heap:
+            p = -heapq.heappop(heap)
+            if p < earliest:
+                return None
+            if p <= latest and self.can_trigger[p]:
+                return p
+            for q in self.preds[p]:
+                if q not in seen and q >= earliest:
+                    seen.add(q)
+                    heapq.heappush(heap, -q)
+        return None
+
+    def simulate(self, swaps) -> SimResult:
+        return simulate(self.schedule, list(swaps), self.device.link_bandwidth)
+
+
+# ---------------------------------------------------------------------------- lms strategy
+@dataclass
+class _Choice:
+    swap: SimSwap
+    lo: int  # first position whose memory drops
+    hi: int  # last position whose memory drops
+    size: int
+
+
+def _gap_swap(ctx: _Context, cand: Candidate, p: int, result: SimResult) -> _Choice | None:
+    """Swap ``cand`` across position ``p``: GPU copy for uses before p, one swap-in for uses after."""
+    sched = ctx.schedule
+    t = sched.tensors[cand.tensor]
+    consumers = t.consumers
+    if not consumers or not (t.producer < p < consumers[-1]):
+        return None
+    k = bisect.bisect_right(consumers, p)
+    near, far = consumers[:k], consumers[k:]
+    if not far or (near and near[-1] == p):
+        return None  # p itself reads the tensor: it must be on the GPU there
+    rewirable = set(cand.rewirable)
+    if any(c not in rewirable for c in far):
+        return None
+    starts, ends = result.starts, result.ends
+    transfer = transfer_us(t.num_bytes, ctx.device.link_bandwidth)
+    freed_at = max([ends[t.producer] + transfer] + [ends[c] for c in near])
+    lo = bisect.bisect_left(starts, freed_at)
+    v = far[0]
+    # Latest trigger whose end leaves the transfer time before v starts (no stall).
+    latest = bisect.bisect_right(ends, starts[v] - transfer) - 1
+    latest = min(latest, v - 1)
+    earliest = max(near[-1] if near else t.producer, t.producer)
+    trig = ctx.trigger(v, latest, earliest) if latest >= earliest else None
+    if trig is None:
+        return None
+    hi = trig  # the swap-in buffer is allocated when the trigger ends: positions after it hold it
+    if not (lo <= p <= hi):
+        return None
+    swap = SimSwap(t.id, tuple(near), (SwapIn(tuple(far), trig),))
+    return _Choice(swap, lo, hi, t.num_bytes)
+
+
+def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]) -> tuple[list[SimSwap], SimResult]:
+    chosen: dict[int, _Choice] = {}
+    result = baseline
+    profile = np.array(result.memory_by_position, dtype=np.int64)
+    tried_positions: set[int] = set()
+    for _round in range(10_000):
+        excess = profile - budget_act
+        if excess.max() <= 0:
+            result = ctx.simulate(c.swap for c in chosen.values())
+            if result.activation_peak_bytes <= budget_act:
+                break
+            profile = np.array(result.memory_by_position, dtype=np.int64)
+            excess = profile - budget_act
+            if excess.max() <= 0:  # the peak falls between positions: nudge the profile
+                profile[result.peak_position] = result.activation_peak_bytes
+                excess = profile - budget_act
+        p = int(np.argmax(excess))
+        clipped = np.clip(excess, 0, None)
+        best, best_key = None, None
+        for tid, cand in ctx.cands.items():
+            if tid in chosen:
+                continue
+            choice = _gap_swap(ctx, cand, p, result)
+            if choice is None:
+                continue
+            covered = int(np.minimum(clipped[choice.lo: choice.hi + 1], choice.size).sum())
+            key = (covered, -choice.size, -tid)
+            if best_key is None or key > best_key:
+                best, best_key = choice, key
+        if best is None:
+            if p in tried_positions or not chosen:
+                raise _Stuck(p, result)
+            # Timing may have drifted: re-simulate with what we have and retry once.
+            tried_positions.add(p)
+            result = ctx.simulate(c.swap for c in chosen.values())
+            profile = np.array(result.memory_by_position, dtype=np.int64)
+            continue
+        chosen[best.swap.tensor] = best
+        profile[best.lo: best.hi + 1] -= best.size
+    else:  # pragma: no cover - bounded loop
+        raise _Stuck(int(np.argmax(profile)), result)
+
+    # Refinement: drop swaps the plan can do without, largest first.
+    for tid in sorted(chosen, key=lambda t: (-chosen[t].size, t)):
+        c = chosen[tid]
+        trial = profile.copy()
+        trial[c.lo: c.hi + 1] += c.size
+        if trial.max() <= budget_act:
+            remaining = [x.swap for t2, x in chosen.items() if t2 != tid]
+            check = ctx.simulate(remaining)
+            if check.activation_peak_bytes <= budget_act:
+                del chosen[tid]
+                profile = np.array(check.memory_by_position, dtype=np.int64)
+                result = check
+    log.append(f"[LMS] planned {len(chosen)} swap(s) in {_round + 1} step(s)")
+    return [c.swap for c in chosen.values()], result
+
+
+class _Stuck(Exception):
+    def __init__(self, position: int, result: SimResult):
+        super().__init__(position)
+        self.position = position
+        self.result = result
+
+
+# ---------------------------------------------------------------------------- tflms strategy
+def tflms_swaps(ctx: _Context, params: TflmsParams) -> list[SimSwap]:
+    """The swaps TFLMS v2 would insert with ``params`` (in level space, deterministic triggers)."""
+    sched = ctx.schedule
+    levels = sched.levels
+    out = []
+    for tid in sorted(ctx.cands):
+        cand = ctx.cands[tid]
+        t = sched.tensors[tid]
+        lp = levels[t.producer]
+        far = [c for c in cand.rewirable if levels[c] - lp > params.swapout_threshold]
+        if not far:
+            continue
+        far_set = set(far)
+        near = tuple(c for c in t.consumers if c not in far_set)
+        far.sort(key=lambda c: (levels[c], c))
+        groups: list[list[int]] = []
+        for c in far:
+            if groups and params.swapin_groupby > 0 and levels[c] - levels[groups[-1][-1]] <= params.swapin_groupby:
+                groups[-1].append(c)
+            else:
+                groups.append([c])
+        swap_ins = []
+        for group in groups:
+            first = min(group)
+            trigger = _tflms_trigger(ctx, first, lp, params)
+            swap_ins.append(SwapIn(tuple(sorted(group)), trigger))
+        out.append(SimSwap(tid, near, tuple(swap_ins), sync_out=params.sync_mode in (1, 3)))
+    return out
+
+
+def _tflms_trigger(ctx: _Context, consumer: int, producer_level: int, params: TflmsParams) -> int:
+    """TFLMS: an op about ``swapin_ahead`` levels before the consumer (scanning back at most 10
+    levels, not before the producer's level + 1) that reaches the consumer; else synchronous."""
+    sched = ctx.schedule
+    levels = sched.levels
+    if params.sync_mode in (2, 3):
+        return _just_in_time(ctx, consumer)
+    top = levels[consumer] - params.swapin_ahead - 1
+    bottom = max(producer_level + 1, top - 10)
+    # Ancestors in decreasing position; take the first whose level is in [bottom, top].
+    heap = [-p for p in ctx.preds[consumer]]
+    heapq.heapify(heap)
+    seen = set(ctx.preds[consumer])
+    while heap:
+        p = -heapq.heappop(heap)
+        if levels[p] < bottom:
+            continue
+        if levels[p] <= top and ctx.can_trigger[p]:
+            return p
+        for q in ctx.preds[p]:
+            if q not in seen:
+                seen.add(q)
+                heapq.heappush(heap, -q)
+    return _just_in_time(ctx, consumer)
+
+
+def _just_in_time(ctx: _Context, consumer: int) -> int:
+    """Synchronous swap-in: start when the consumer's other inputs are ready (its last predecessor)."""
+    preds = [p for p in ctx.preds[consumer] if ctx.can_trigger[p]]
+    return max(preds) if preds else max(consumer - 1, 0)
+
+
+def plan_tflms(ctx: _Context, budget_act: int, log: list[str], start_sync: int = 0) -> tuple[list[SimSwap], TflmsParams, SimResult]:
+    """TFLMS v2's auto-tuning: threshold 1 first, raising sync_mode until it fits; then binary
+    searches for the largest threshold, the largest swapin_ahead and the largest groupby."""
+    max_level = max(ctx.schedule.levels) + 1 if len(ctx.schedule) else 1
+
+    def fits(params: TflmsParams):
+        swaps = tflms_swaps(ctx, params)
+        result = ctx.simulate(swaps)
+        return result.activation_peak_bytes <= budget_act, swaps, result
+
+    best = None
+    for sync in range(start_sync, 4):
+        params = TflmsParams(1, 1, 0, sync)
+        ok, swaps, result = fits(params)
+        if ok:
+            best = (params, swaps, result)
+            log.append(f"[LMS] [Simulator] Found a parameter set: {params.line()}")
+            break
+    if best is None:
+        raise _Stuck(result.peak_position, result)
+
+    def search(make, lo: int, hi: int):
+        nonlocal best
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            params = make(mid)
+            ok, swaps, result = fits(params)
+            if ok:
+                best = (params, swaps, result)
+                log.append(f"[LMS] [Simulator] Found a parameter set: {params.line()}")
+                lo = mid + 1
+            else:
+                hi = mid - 1
+
+    p0 = best[0]
+    search(lambda v: TflmsParams(v, p0.swapin_ahead, p0.swapin_groupby, p0.sync_mode), 2, max_level)
+    p1 = best[0]
+    search(lambda v: TflmsParams(p1.swapout_threshold, v, p1.swapin_groupby, p1.sync_mode), 2, max_level)
+    p2 = best[0]
+    ok, swaps, result = fits(TflmsParams(p2.swapout_threshold, p2.swapin_ahead, max_level, p2.sync_mode))
+    if ok:
+        best = (TflmsParams(p2.swapout_threshold, p2.swapin_ahead, max_level, p2.sync_mode), swaps, result)
+        log.append(f"[LMS] [Simulator] Found a parameter set: {best[0].line()}")
+    else:
+        search(lambda v: TflmsParams(p2.swapout_threshold, p2.swapin_ahead, v, p2.sync_mode), 1, max_level - 1)
+    params, swaps, result = best
+    return swaps, params, result
+
+
+# ---------------------------------------------------------------------------- entry point
+def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions()) -> TuneResult:
+    """Find a plan that fits ``device``. Raises NoFitError when none can."""
+    ctx = _Context(prepared, device, options.filters)
+    sched = ctx.schedule
+    log: list[str] = []
+    baseline = ctx.simulate(())
+    budget = device.budget
+    budget_act = budget - sched.resident_bytes
+    params: dict = {}
+    swaps: list[SimSwap] = []
+    necessary = baseline.peak_bytes > budget
+    if options.strategy == "tflms" and options.tflms is not None:
+        swaps = tflms_swaps(ctx, options.tflms)
+        result = ctx.simulate(swaps)
+        params = options.tflms.__dict__.copy()
+        necessary = True
+    elif not necessary:
+        log.append("[LMS] [Simulator] LMS is not necessary: the graph fits without swapping "
+                   f"({format_size(baseline.peak_bytes)} <= {format_size(budget)})")
+        result = baseline
+    else:
+        lb, lb_pos = lower_bound(prepared, set(ctx.cands))
+        if lb > budget:
+            raise NoFitError(_no_fit_message(ctx, lb, lb_pos, budget))
+        try:
+            if options.strategy == "tflms":
+                swaps, chosen, result = plan_tflms(ctx, budget_act, log, options.sync_mode)
+                params = chosen.__dict__.copy()
+            else:
+                swaps, result = plan_lms(ctx, budget_act, baseline, log)
+        except _Stuck as stuck:
+            raise NoFitError(
+                f"no swap plan found under {format_size(budget)}: at {sched.names[stuck.position]} the "
+                f"{options.strategy} strategy still needs {format_size(stuck.result.peak_bytes)} "
+                f"(lower bound {format_size(lb)}); try a larger --gpu-mem or a smaller batch"
+            ) from None
+    plan = Plan(
+        model=prepared.model.name,
+        graph_sha256=graph_fingerprint(prepared.graph_def),
+        fetches=tuple(prepared.model.fetches),
+        batch_size=prepared.batch_size,
+        device=device.to_dict(),
+        strategy=options.strategy,
+        parameters=params,
+        swaps=from_sim(swaps, sched),
+        predicted=predicted(baseline, result, budget),
+    )
+    return TuneResult(plan, baseline, result, budget, necessary, tuple(log))
+
+
+def predicted(baseline: SimResult, result: SimResult, budget: int) -> dict:
+    return {
+        "budget_bytes": budget,
+        "peak_bytes_without_plan": baseline.peak_bytes,
+        "peak_bytes": result.peak_bytes,
+        "host_peak_bytes": result.host_peak_bytes,
+        "swap_out_bytes": result.swap_out_bytes,
+        "swap_in_bytes": result.swap_in_bytes,
+        "swap_outs": result.num_swap_outs,
+        "swap_ins": result.num_swap_ins,
+        "step_time_without_plan_s": baseline.step_time,
+        "step_time_s": result.step_time,
+        "overhead": round(result.step_time / baseline.step_time - 1.0, 6) if baseline.step_time else 0.0,
+    }
+
+
+def _no_fit_message(ctx: _Context, lb: int, lb_pos, budget: int) -> str:
+    sched = ctx.schedule
+    name = sched.names[lb_pos] if lb_pos is not None else "?"
+    return (f"operation {name} ({sched.ops[lb_pos] if lb_pos is not None else '?'}) alone needs "
+            f"{format_size(lb)} with everything that must stay resident (variables "
+            f"{format_size(sched.resident_bytes)}); no swap plan can fit under {format_size(budget)}")

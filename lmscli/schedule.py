@@ -1,0 +1,175 @@
+"""The execution schedule of one training step, as plain values for the simulator and planner.
+
+Only the ancestors of the fetches run (as in ``Session.run``). By default their order and op
+times are those of Grappler's virtual scheduler on a virtual GPU (first-ready list scheduling
+with TensorFlow's analytical cost model), so our memory figures are comparable with
+TensorFlow's own estimate. Without Grappler, the same first-ready scheduling runs on our
+roofline cost model. Either way the order does not depend on the GraphDef's node order. Each tensor is described by its producer's position, its consumers'
+positions and its size; variables and constants are *resident* for the whole step.
+
+A tensor counts against GPU memory when its producer or one of its consumers is a GPU op
+(any op not explicitly placed on a CPU); a host tensor read by a GPU op is a copy on the GPU.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from lmscli.costmodel import op_time
+from lmscli.graphview import VARIABLE_OPS, GraphView
+
+CONSTANT_OPS = frozenset({"Const", "HostConst"})
+
+
+@dataclass(frozen=True)
+class SimTensor:
+    id: int
+    producer: int  # position of the producing op
+    output: int
+    num_bytes: int
+    consumers: tuple[int, ...]  # positions of the ops reading it, sorted, unique
+
+
+@dataclass(frozen=True)
+class Schedule:
+    nodes: tuple[int, ...]  # GraphView index of the op at each position
+    names: tuple[str, ...]
+    ops: tuple[str, ...]
+    levels: tuple[int, ...]
+    compute: tuple[int, ...]  # microseconds of GPU time per position (0 for host ops)
+    on_gpu: tuple[bool, ...]
+    tensors: tuple[SimTensor, ...]
+    inputs: tuple[tuple[int, ...], ...]  # ids of the counted tensors each position reads
+    variable_bytes: int
+    constant_bytes: int
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.variable_bytes + self.constant_bytes
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+
+def variable_bytes(view: GraphView, i: int) -> int:
+    """Storage bytes of a variable node, from its ``shape`` and ``dtype`` attributes."""
+    node = view.node_defs[i]
+    if "shape" not in node.attr or "dtype" not in node.attr:
+        return 0
+    shape = node.attr["shape"].shape
+    if shape.unknown_rank or any(d.size < 0 for d in shape.dim):
+        return 0
+    from tensorflow.python.framework import dtypes
+
+    try:
+        itemsize = dtypes.as_dtype(node.attr["dtype"].type).base_dtype.size
+    except Exception:
+        return 0
+    total = itemsize
+    for d in shape.dim:
+        total *= d.size
+    return total
+
+
+def first_ready_order(view: GraphView, active: set[int], cost: dict[int, int],
+                      rank: dict[int, int] | None = None) -> list[int]:
+    """List-schedule ``active`` on one device: run the op that became ready first (ties by name).
+
+    With ``rank`` (an observed execution order, e.g. Grappler's trace), ops run in rank order
+    whenever their inputs allow it; the result is always a topological order of ``active``.
+    """
+    indegree = {i: 0 for i in active}
+    for i in active:
+        for src in view.predecessors(i):
+            if src in active:
+                indegree[i] += 1
+    ready_at = {i: 0 for i in active}
+    big = len(view.names) + 1
+
+    def key(i):
+        if rank is not None:
+            return (rank.get(i, big), ready_at[i], view.names[i], i)
+        return (ready_at[i], view.names[i], i)
+
+    heap = [key(i) for i in active if indegree[i] == 0]
+    heapq.heapify(heap)
+    clock = 0
+    order = []
+    while heap:
+        item = heapq.heappop(heap)
+        i = item[-1]
+        clock = max(clock, ready_at[i]) + cost[i]
+        order.append(i)
+        for j in view.successors(i):
+            if j not in indegree:
+                continue
+            ready_at[j] = max(ready_at[j], clock)
+            indegree[j] -= 1
+            if indegree[j] == 0:
+                heapq.heappush(heap, key(j))
+    return order
+
+
+def build_schedule(view: GraphView, fetches, flops: float = 15.7e12, mem_bandwidth: float = 900e9,
+                   trace=None) -> Schedule:
+    """Order the ops that a step of ``fetches`` runs and describe their tensors.
+
+    ``trace`` (a :class:`lmscli.grappler.Trace`) supplies Grappler's execution order and op times;
+    without it, our roofline cost model and first-ready list scheduling are used.
+    """
+    roots = [view.index[name] for name in fetches]
+    active = view.ancestors(roots)
+    cost = {}
+    for i in active:
+        if view.on_host(i):
+            cost[i] = 0
+        elif trace is not None and view.names[i] in trace.micros:
+            cost[i] = trace.micros[view.names[i]]
+        else:
+            cost[i] = op_time(view, i, flops, mem_bandwidth)
+    rank = None
+    if trace is not None:
+        rank = {view.index[name]: r for r, name in enumerate(trace.order) if name in view.index}
+    order = first_ready_order(view, active, cost, rank)
+    position = {node: pos for pos, node in enumerate(order)}
+    on_gpu = tuple(not view.on_host(i) for i in order)
+    var_bytes = sum(variable_bytes(view, i) for i in order if view.ops[i] in VARIABLE_OPS)
+    const_bytes = 0
+    tensors: list[SimTensor] = []
+    inputs: list[list[int]] = [[] for _ in order]
+    for pos, i in enumerate(order):
+        if view.ops[i] in VARIABLE_OPS:
+            continue
+        is_const = view.ops[i] in CONSTANT_OPS
+        by_output: dict[int, set[int]] = {}
+        for dst, _port, output in view.consumers[i]:
+            if dst in position:
+                by_output.setdefault(output, set()).add(position[dst])
+        for output, info in enumerate(view.outputs(i)):
+            size = info.num_bytes or 0
+            if size <= 0:
+                continue
+            readers = tuple(sorted(by_output.get(output, ())))
+            if not (on_gpu[pos] or any(on_gpu[r] for r in readers)):
+                continue
+            if is_const:
+                const_bytes += size
+                continue
+            tid = len(tensors)
+            tensors.append(SimTensor(tid, pos, output, size, readers))
+            for reader in readers:
+                inputs[reader].append(tid)
+    compute = tuple(cost[i] for i in order)
+    return Schedule(
+        nodes=tuple(order),
+        names=tuple(view.names[i] for i in order),
+        ops=tuple(view.ops[i] for i in order),
+        levels=tuple(view.levels[i] for i in order),
+        compute=compute,
+        on_gpu=on_gpu,
+        tensors=tuple(tensors),
+        inputs=tuple(tuple(x) for x in inputs),
+        variable_bytes=var_bytes,
+        constant_bytes=const_bytes,
+    )

@@ -1,0 +1,233 @@
+"""The memory-and-time simulator: a pure function of a schedule, a set of swaps and a link speed.
+
+Model of one training step (times are whole microseconds, so equal times are exact):
+
+* GPU ops run one at a time, in schedule order, each for its cost-model time.
+* A tensor is allocated when its producer starts and freed when its last consumer ends.
+* Variables and constants are resident for the whole step.
+* A swap-out starts when the producer ends, on the device-to-host stream (one transfer at a time,
+  at the link's bandwidth). The GPU copy is freed when the swap-out is done *and* the near
+  consumers (those still reading the GPU copy) have ended.
+* A swap-in starts when its trigger op ends and the swap-out is done, on the host-to-device
+  stream; its GPU buffer is allocated when it starts and freed when its last consumer ends.
+  A consumer cannot start before its swap-in is done: the difference is a stall.
+* ``sync_out`` makes the near consumers wait for the swap-out as well.
+
+At equal times allocations come before frees, as in Grappler's memory accounting: a chain of
+zero-time ops holds all its tensors at once. This is conservative and keeps our figures
+comparable with TensorFlow's own estimate.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+
+from lmscli.schedule import Schedule
+
+
+@dataclass(frozen=True)
+class SwapIn:
+    consumers: tuple[int, ...]  # positions served by this swap-in (sorted)
+    trigger: int  # position of the op whose end starts the transfer
+
+
+@dataclass(frozen=True)
+class SimSwap:
+    tensor: int  # SimTensor id
+    near: tuple[int, ...]  # positions still reading the GPU copy
+    groups: tuple[SwapIn, ...]
+    sync_out: bool = False
+
+
+@dataclass(frozen=True)
+class SimResult:
+    peak_bytes: int  # GPU peak including resident variables and constants
+    activation_peak_bytes: int  # GPU peak of tensors only
+    resident_bytes: int
+    peak_time: float
+    peak_position: int  # op running at the peak
+    live_at_peak: tuple[tuple[str, int, int], ...]  # (kind, tensor id, bytes), largest first
+    memory_by_position: tuple[int, ...]  # activation bytes: max while each op runs
+    curve: tuple[tuple[float, int], ...]  # (time, activation bytes) after each event
+    host_peak_bytes: int
+    host_curve: tuple[tuple[float, int], ...]
+    swap_out_bytes: int
+    swap_in_bytes: int
+    num_swap_outs: int
+    num_swap_ins: int
+    compute_time: float  # sum of op times: the step time with no stall
+    step_time: float
+    stall_time: float
+    transfers: tuple[tuple[str, int, float, float], ...] = field(default=())  # (dir, tensor, start, end)
+    starts: tuple[int, ...] = field(default=())  # microseconds, per position
+    ends: tuple[int, ...] = field(default=())
+
+    @property
+    def overhead(self) -> float:
+        return self.step_time / self.compute_time - 1.0 if self.compute_time > 0 else 0.0
+
+
+def transfer_us(num_bytes: int, bandwidth: float) -> int:
+    if math.isinf(bandwidth):
+        return 0
+    return int(math.ceil(num_bytes / bandwidth * 1e6))
+
+
+def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf) -> SimResult:
+    """Simulate one step of ``schedule`` with ``swaps`` (a sequence of :class:`SimSwap`)."""
+    n = len(schedule)
+    tensors = schedule.tensors
+    swap_of = {s.tensor: s for s in swaps}
+
+    # What each op waits for, what each op end triggers.
+    in_groups: dict[tuple[int, int], int] = {}  # (tensor, consumer position) -> group index
+    triggered: dict[int, list[tuple[int, int]]] = {}  # trigger position -> [(tensor, group index)]
+    sync_waits: dict[int, list[int]] = {}  # consumer position -> tensors whose swap-out it waits for
+    swapped_by_producer: dict[int, list[int]] = {}
+    for tid in sorted(swap_of):
+        swap = swap_of[tid]
+        swapped_by_producer.setdefault(tensors[tid].producer, []).append(tid)
+        for g, group in enumerate(swap.groups):
+            trig = max(group.trigger, tensors[tid].producer)
+            triggered.setdefault(trig, []).append((tid, g))
+            for c in group.consumers:
+                in_groups[(tid, c)] = g
+        if swap.sync_out:
+            for c in swap.near:
+                sync_waits.setdefault(c, []).append(tid)
+
+    start = [0] * n
+    end = [0] * n
+    out_start: dict[int, int] = {}
+    out_end: dict[int, int] = {}
+    in_start: dict[tuple[int, int], int] = {}
+    in_end: dict[tuple[int, int], int] = {}
+    d2h_free = h2d_free = 0
+    clock = 0
+    records = []
+    for k in range(n):
+        ready = clock
+        for tid in schedule.inputs[k]:
+            g = in_groups.get((tid, k))
+            if g is not None:
+                ready = max(ready, in_end[(tid, g)])
+        for tid in sync_waits.get(k, ()):
+            ready = max(ready, out_end[tid])
+        start[k] = ready
+        end[k] = clock = ready + schedule.compute[k]
+        for tid in swapped_by_producer.get(k, ()):
+            s = max(end[k], d2h_free)
+            out_start[tid] = s
+            out_end[tid] = d2h_free = s + transfer_us(tensors[tid].num_bytes, link_bandwidth)
+            records.append(("out", tid, s, out_end[tid]))
+        # Swap-ins start in trigger order on the host-to-device stream.
+        for tid, g in triggered.get(k, ()):
+            s = max(end[k], out_end[tid], h2d_free)
+            in_start[(tid, g)] = s
+            in_end[(tid, g)] = h2d_free = s + transfer_us(tensors[tid].num_bytes, link_bandwidth)
+            records.append(("in", tid, s, in_end[(tid, g)]))
+    step_time = max([clock, d2h_free, h2d_free])
+
+    # Memory events: (time, phase, delta, kind, id); phase 0 = allocation, 1 = free.
+    events = []
+    host_events = []
+    for t in tensors:
+        p = t.producer
+        swap = swap_of.get(t.id)
+        events.append((start[p], 0, t.num_bytes, "tensor", t.id))
+        if swap is None:
+            last = t.consumers[-1] if t.consumers else p
+            events.append((end[last], 1, -t.num_bytes, "tensor", t.id))
+            continue
+        free_at = max([out_end[t.id]] + [end[c] for c in swap.near])
+        events.append((free_at, 1, -t.num_bytes, "tensor", t.id))
+        host_events.append((out_start[t.id], 0, t.num_bytes))
+        host_free = out_end[t.id]
+        for g, group in enumerate(swap.groups):
+            events.append((in_start[(t.id, g)], 0, t.num_bytes, "swapin", t.id))
+            events.append((end[group.consumers[-1]], 1, -t.num_bytes, "swapin", t.id))
+            host_free = max(host_free, in_end[(t.id, g)])
+        host_events.append((host_free, 1, -t.num_bytes))
+    events.sort(key=lambda e: (e[0], e[1], e[3], e[4]))
+
+    live = peak = 0
+    peak_index = -1
+    curve = []
+    by_time: dict[int, int] = {}  # highest live bytes seen at each event time
+    for idx, (time, _phase, delta, _kind, _tid) in enumerate(events):
+        live += delta
+        if delta > 0 and live > peak:
+            peak, peak_index = live, idx
+        if live > by_time.get(time, -1):
+            by_time[time] = live
+        curve.append((time, live))
+    by_position = _by_position(start, end, events, by_time)
+    live_set: dict[tuple[str, int], int] = {}
+    for _time, _phase, delta, kind, tid in events[: peak_index + 1]:
+        if delta > 0:
+            live_set[(kind, tid)] = delta
+        else:
+            live_set.pop((kind, tid), None)
+    live_at_peak = tuple(sorted(((k, t, b) for (k, t), b in live_set.items()), key=lambda x: (-x[2], x[1], x[0])))
+    peak_time = events[peak_index][0] if peak_index >= 0 else 0
+    peak_position = bisect.bisect_right(start, peak_time) - 1 if n else 0
+
+    host_events.sort()
+    host_live = host_peak = 0
+    host_curve = []
+    for time, _phase, delta in host_events:
+        host_live += delta
+        host_peak = max(host_peak, host_live)
+        host_curve.append((time / 1e6, host_live))
+
+    compute_us = sum(schedule.compute)
+    return SimResult(
+        peak_bytes=peak + schedule.resident_bytes,
+        activation_peak_bytes=peak,
+        resident_bytes=schedule.resident_bytes,
+        peak_time=peak_time / 1e6,
+        peak_position=max(peak_position, 0),
+        live_at_peak=live_at_peak,
+        memory_by_position=by_position,
+        curve=tuple((t / 1e6, b) for t, b in curve),
+        host_peak_bytes=host_peak,
+        host_curve=tuple(host_curve),
+        swap_out_bytes=sum(tensors[tid].num_bytes for tid in swap_of),
+        swap_in_bytes=sum(tensors[tid].num_bytes * len(s.groups) for tid, s in swap_of.items()),
+        num_swap_outs=len(swap_of),
+        num_swap_ins=sum(len(s.groups) for s in swap_of.values()),
+        compute_time=compute_us / 1e6,
+        step_time=step_time / 1e6,
+        stall_time=max(0, step_time - compute_us) / 1e6,
+        transfers=tuple((d, tid, s / 1e6, e / 1e6) for d, tid, s, e in records),
+        starts=tuple(start),
+        ends=tuple(end),
+    )
+
+
+def _by_position(start, end, events, by_time) -> tuple[int, ...]:
+    """Highest live activation bytes while each op runs (from its start to its end, inclusive)."""
+    n = len(start)
+    times = sorted(by_time)
+    # Live bytes just after all events at each time, to carry the level across quiet intervals.
+    level_after = {}
+    live = 0
+    j = 0
+    for time in times:
+        while j < len(events) and events[j][0] == time:
+            live += events[j][2]
+            j += 1
+        level_after[time] = live
+    out = [0] * n
+    for k in range(n):
+        lo = bisect.bisect_left(times, start[k])
+        hi = bisect.bisect_right(times, end[k])
+        best = 0
+        if lo > 0:
+            best = level_after[times[lo - 1]]
+        for idx in range(lo, hi):
+            best = max(best, by_time[times[idx]])
+        out[k] = best
+    return tuple(out)

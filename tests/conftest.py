@@ -1,0 +1,65 @@
+"""Shared fixtures: the committed sample graphs, small hand-made graphs, and the CLI runner."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "sample_graphs"
+TRAINING_SAMPLES = ["mlp", "cnn", "resnet50", "unet3d", "unknown_batch", "while_rnn", "cond_cnn"]
+
+
+@pytest.fixture(scope="session")
+def samples() -> Path:
+    return SAMPLES
+
+
+@pytest.fixture()
+def runner() -> CliRunner:
+    try:
+        return CliRunner(mix_stderr=False)
+    except TypeError:  # Click >= 8.2 always keeps stderr apart
+        return CliRunner()
+
+
+def invoke(runner, *args):
+    from lmscli.cli import cli
+
+    return runner.invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def graph_def_from_nodes(nodes):
+    """A GraphDef from ``(name, op, inputs, attrs)`` tuples (attrs: dict of AttrValue kwargs)."""
+    from lmscli.tfimport import tensorflow
+
+    tensorflow()
+    from tensorflow.core.framework import attr_value_pb2, graph_pb2
+
+    graph = graph_pb2.GraphDef()
+    for name, op, inputs, attrs in nodes:
+        node = graph.node.add(name=name, op=op)
+        node.input.extend(inputs)
+        for key, value in (attrs or {}).items():
+            node.attr[key].CopyFrom(attr_value_pb2.AttrValue(**value))
+    return graph
+
+
+@pytest.fixture(scope="session")
+def tiny_graph_def():
+    """A small valid float graph: x -> relu -> identity (a frozen-style GraphDef)."""
+    from lmscli.tfimport import tensorflow
+
+    tf = tensorflow()
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 8], name="x")
+        w = tf.constant([[1.0] * 8] * 8, name="w")
+        y = tf.nn.relu(tf.matmul(x, w), name="y")
+        tf.identity(y, name="out")
+    return graph.as_graph_def()

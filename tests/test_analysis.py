@@ -1,0 +1,149 @@
+"""Analysis figures checked against independent computations by TensorFlow and brute force."""
+
+import json
+
+import pytest
+
+from lmscli import analysis, loader
+from lmscli.tfimport import tensorflow
+from tests.conftest import TRAINING_SAMPLES, invoke
+
+
+def _analyze(path, **kwargs):
+    model = loader.load(str(path))
+    return analysis.analyze(analysis.prepare(model, **kwargs)), model
+
+
+def _tf_graph(model):
+    tf = tensorflow()
+    graph = tf.Graph()
+    with graph.as_default():
+        if model.format.startswith("metagraph"):
+            tf.compat.v1.train.import_meta_graph(model.meta_graph)
+        else:
+            tf.compat.v1.import_graph_def(model.graph_def, name="")
+    return graph
+
+
+@pytest.mark.parametrize("name", [n for n in TRAINING_SAMPLES if n != "unknown_batch"])
+def test_variable_bytes_match_tensorflow(samples, name):
+    result, model = _analyze(samples / f"{name}.meta")
+    graph = _tf_graph(model)
+    with graph.as_default():
+        tf = tensorflow()
+        every = tf.compat.v1.global_variables()
+        trainable = tf.compat.v1.trainable_variables()
+    size = lambda vs: sum(v.shape.num_elements() * v.dtype.base_dtype.size for v in vs)  # noqa: E731
+    assert result.variable_bytes == size(every)
+    assert result.parameter_bytes == size(trainable)
+    assert result.variable_bytes >= result.parameter_bytes  # optimizer slots or not, never less
+
+
+@pytest.mark.parametrize("name", ["mlp.meta", "cnn.meta", "resnet50.meta", "frozen_cnn.pb", "while_rnn.meta"])
+def test_edges_levels_and_largest_op_by_brute_force(samples, name):
+    result, model = _analyze(samples / name)
+    nodes = list(model.graph_def.node)
+    data = sum(1 for n in nodes for i in n.input if not i.startswith("^"))
+    control = sum(1 for n in nodes for i in n.input if i.startswith("^"))
+    assert (result.vertices, result.data_edges, result.control_edges) == (len(nodes), data, control)
+    assert result.edges == data + control
+
+    # Levels: repeatedly strip the ops whose inputs are all placed (back edges of loops excluded).
+    by_name = {n.name: n for n in nodes}
+    inputs = {n.name: {i.lstrip("^").split(":")[0] for i in n.input} for n in nodes}
+    for n in nodes:
+        if n.op == "Merge":
+            inputs[n.name] = {i for i in inputs[n.name] if by_name[i].op != "NextIteration"}
+    placed, levels = set(), 0
+    while len(placed) < len(nodes):
+        layer = {k for k in inputs if k not in placed and inputs[k] <= placed}
+        assert layer
+        placed |= layer
+        levels += 1
+    assert result.levels == levels
+
+    # Largest op: brute force over the ops a step runs, with TensorFlow's own shapes.
+    tf = tensorflow()
+    from tensorflow.python.framework import graph_util
+
+    pruned = graph_util.extract_sub_graph(model.graph_def, list(model.fetches))
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.import_graph_def(model.graph_def, name="")
+
+    def nbytes(t):
+        if t.dtype.base_dtype in (tf.resource, tf.variant, tf.string) or not t.shape.is_fully_defined():
+            return 0
+        return t.shape.num_elements() * t.dtype.base_dtype.size
+
+    best = max(
+        ((sum(nbytes(t) for t in op.inputs) + sum(nbytes(t) for t in op.outputs), op.name)
+         for op in (graph.get_operation_by_name(n.name) for n in pruned.node)),
+        key=lambda x: (x[0], [-ord(c) for c in x[1]]),
+    )
+    assert result.largest_op.bytes == best[0]
+    assert result.active_vertices == len(pruned.node)
+
+
+@pytest.mark.parametrize("name", TRAINING_SAMPLES + ["frozen_cnn"])
+def test_peak_and_lower_bound_are_consistent(samples, name):
+    path = samples / (f"{name}.pb" if name == "frozen_cnn" else f"{name}.meta")
+    result, _ = _analyze(path, batch_size=4 if name == "unknown_batch" else None)
+    assert result.peak_bytes > 0
+    assert result.activation_peak_bytes + result.variable_bytes + result.constant_bytes == result.peak_bytes
+    # Constants read by the largest op are resident already, so they are not counted twice.
+    assert result.largest_op.bytes + result.variable_bytes <= result.lower_bound_bytes
+    assert result.variable_bytes + result.constant_bytes <= result.lower_bound_bytes
+    assert result.lower_bound_bytes <= result.peak_bytes
+
+
+def test_unknown_batch_is_reported_then_resolved(samples):
+    before, _ = _analyze(samples / "unknown_batch.meta")
+    assert before.unknown_tensors > 0 and before.largest_unknown
+    assert any("?" in u.shape for u in before.largest_unknown)
+    after, _ = _analyze(samples / "unknown_batch.meta", batch_size=16)
+    assert after.unknown_tensors < before.unknown_tensors
+    assert after.peak_bytes > before.peak_bytes
+    bigger, _ = _analyze(samples / "unknown_batch.meta", batch_size=64)
+    assert bigger.activation_peak_bytes > after.activation_peak_bytes
+
+
+def test_control_flow_is_found(samples):
+    loop, _ = _analyze(samples / "while_rnn.meta")
+    assert loop.while_loops >= 1
+    cond, _ = _analyze(samples / "cond_cnn.meta")
+    assert cond.conds >= 1
+
+
+def test_analyze_is_deterministic(samples, runner):
+    first = invoke(runner, "analyze", samples / "resnet50.meta", "--json")
+    second = invoke(runner, "analyze", samples / "resnet50.meta", "--json")
+    assert first.exit_code == 0 and first.stdout == second.stdout
+
+
+def test_analyze_json_schema(samples, runner):
+    result = invoke(runner, "analyze", samples / "cnn.meta", "--json")
+    assert result.exit_code == 0
+    doc = json.loads(result.stdout)
+    assert doc["schema"] == "lms.analysis" and doc["version"] == 1
+    for key in ("vertices", "edges", "parameter_bytes", "variable_bytes", "largest_op", "levels",
+                "peak_bytes", "lower_bound_bytes", "unknown_tensors"):
+        assert key in doc
+    assert set(doc["edges"]) == {"data", "control", "total"}
+    assert set(doc["largest_op"]) == {"name", "type", "bytes"}
+
+
+def test_verbose_prints_lms_log_lines(samples, runner):
+    result = invoke(runner, "analyze", samples / "cnn.meta", "-v", "-q")
+    assert result.exit_code == 0
+    assert "[LMS] The graph has" in result.stderr and "vertices" in result.stderr
+    assert "[LMS] Original categorized topological sort has" in result.stderr
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("name", ["mlp.meta", "mlp.meta.txt", "frozen_cnn.pb", "frozen_cnn.pbtxt", "mlp_savedmodel",
+                                  "while_rnn.meta", "cond_cnn.meta", "unet3d.meta"])
+def test_analyze_every_format_cli(samples, runner, name):
+    result = invoke(runner, "analyze", samples / name, "--no-color")
+    assert result.exit_code == 0, result.stderr
+    assert "peak memory" in result.stdout

@@ -1,0 +1,125 @@
+"""Property tests for the graph algorithms on random graphs."""
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmscli.errors import GraphError
+from lmscli.graphview import GraphView, parse_input
+from tests.conftest import graph_def_from_nodes
+
+
+def random_dag(seed: int, n: int, p: float):
+    rng = random.Random(seed)
+    nodes = []
+    for i in range(n):
+        inputs = []
+        for j in range(i):
+            if rng.random() < p:
+                inputs.append(f"n{j}" if rng.random() < 0.8 else f"^n{j}")
+        nodes.append((f"n{i}", "NoOp" if not inputs else "AddN", inputs, None))
+    return nodes
+
+
+def tflms_levels(view: GraphView):
+    """Levels by repeatedly removing the ops with no remaining inputs (the TFLMS description)."""
+    remaining = set(range(view.size))
+    preds = {i: set(view.predecessors(i)) for i in remaining}
+    level, out = 0, {}
+    while remaining:
+        layer = {i for i in remaining if not (preds[i] & remaining)}
+        assert layer, "cycle"
+        for i in layer:
+            out[i] = level
+        remaining -= layer
+        level += 1
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 40), st.floats(0.0, 0.5))
+def test_levels_and_order(seed, n, p):
+    view = GraphView(graph_def_from_nodes(random_dag(seed, n, p)))
+    position = {node: k for k, node in enumerate(view.order)}
+    assert sorted(view.order) == list(range(n))
+    for i in range(n):
+        for src in view.predecessors(i):
+            assert position[src] < position[i]
+            assert view.levels[src] < view.levels[i]
+    expected = tflms_levels(view)
+    assert [expected[i] for i in range(n)] == view.levels
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000), st.integers(2, 30))
+def test_order_independent_of_node_order(seed, n):
+    nodes = random_dag(seed, n, 0.3)
+    shuffled = list(nodes)
+    random.Random(seed + 1).shuffle(shuffled)
+    a, b = GraphView(graph_def_from_nodes(nodes)), GraphView(graph_def_from_nodes(shuffled))
+    assert [a.names[i] for i in a.order] == [b.names[i] for i in b.order]
+    assert {a.names[i]: a.levels[i] for i in range(n)} == {b.names[i]: b.levels[i] for i in range(n)}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000), st.integers(2, 25))
+def test_cycles_are_found(seed, n):
+    nodes = random_dag(seed, n, 0.3)
+    rng = random.Random(seed)
+    a, b = sorted(rng.sample(range(n), 2))
+    # Close a cycle: b reaches a, add a -> ... -> b path edge from b into a.
+    nodes[a] = (nodes[a][0], "AddN", list(nodes[a][2]) + [f"n{b}"], None)
+    nodes[b] = (nodes[b][0], "AddN", list(nodes[b][2]) + [f"n{a}"], None)
+    with pytest.raises(GraphError, match="cycle"):
+        GraphView(graph_def_from_nodes(nodes))
+
+
+def test_dangling_and_duplicates():
+    with pytest.raises(GraphError, match="dangling"):
+        GraphView(graph_def_from_nodes([("a", "NoOp", ["missing:0"], None)]))
+    with pytest.raises(GraphError, match="duplicate"):
+        GraphView(graph_def_from_nodes([("a", "NoOp", [], None), ("a", "NoOp", [], None)]))
+
+
+def test_while_back_edge_is_not_a_cycle_and_frames():
+    nodes = [
+        ("x", "Const", [], None),
+        ("enter", "Enter", ["x"], {"s": None} and {}),
+        ("merge", "Merge", ["enter", "next"], None),
+        ("switch", "Switch", ["merge", "cond"], None),
+        ("cond", "LoopCond", ["merge"], None),
+        ("body", "Neg", ["switch:1"], None),
+        ("next", "NextIteration", ["body"], None),
+        ("exit", "Exit", ["switch:0"], None),
+        ("after", "Neg", ["exit"], None),
+    ]
+    graph = graph_def_from_nodes(nodes)
+    graph.node[1].attr["frame_name"].s = b"loop"
+    view = GraphView(graph)
+    frame = {view.names[i]: view.frames[i] for i in range(view.size)}
+    assert frame["x"] == "" and frame["after"] == ""
+    assert frame["merge"] == frame["body"] == frame["exit"] == "loop"
+
+
+def test_cond_depth():
+    nodes = [
+        ("p", "Const", [], None),
+        ("x", "Const", [], None),
+        ("sw", "Switch", ["x", "p"], None),
+        ("t", "Neg", ["sw:1"], None),
+        ("f", "Abs", ["sw:0"], None),
+        ("m", "Merge", ["t", "f"], None),
+        ("after", "Neg", ["m"], None),
+    ]
+    view = GraphView(graph_def_from_nodes(nodes))
+    depth = {view.names[i]: view.cond_depth[i] for i in range(view.size)}
+    assert depth["t"] == depth["f"] == 1
+    assert depth["after"] == 0 and depth["x"] == 0
+
+
+@pytest.mark.parametrize("text,expected", [("a", ("a", 0, False)), ("a:3", ("a", 3, False)),
+                                           ("^a", ("a", -1, True)), ("a/b:c", ("a/b:c", 0, False))])
+def test_parse_input(text, expected):
+    assert parse_input(text) == expected
