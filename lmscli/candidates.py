@@ -3,7 +3,10 @@
 A tensor is a *candidate* when swapping it is both safe and useful:
 
 * its producer is an active GPU op outside any v1 while-loop frame and is not a control-flow op,
-  a constant, a variable, a variable read, a placeholder or an identity-like op;
+  a constant, a variable or a shape op. Unlike TFLMS we do swap variable reads, identities and
+  placeholders: TensorFlow's memory accounting (and Grappler's) gives their outputs buffers of
+  their own, and a large weight read held from the forward to the backward pass is as costly
+  as an activation;
 * its dtype is numeric (no resource, variant or string handles), its rank is at least 2 and its
   size is known;
 * at least one consumer is *rewirable*: a GPU op outside while-loop frames that is not itself a
@@ -20,10 +23,7 @@ from lmscli.graphview import CONTROL_FLOW_OPS, VARIABLE_OPS, GraphView
 from lmscli.schedule import Schedule
 
 NEVER_SWAP_PRODUCERS = frozenset(
-    {"Const", "HostConst", "Placeholder", "PlaceholderWithDefault", "Identity", "IdentityN", "Snapshot",
-     "ReadVariableOp", "ResourceGather", "StopGradient", "Shape", "ShapeN", "Size", "Rank",
-     "RandomUniform", "RandomStandardNormal", "TruncatedNormal", "RandomUniformInt",
-     "StatelessRandomUniformV2", "StatelessRandomNormalV2", "StatelessTruncatedNormalV2"}
+    {"Const", "HostConst", "Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs"}
 ) | VARIABLE_OPS | CONTROL_FLOW_OPS
 
 

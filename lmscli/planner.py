@@ -119,9 +119,23 @@ class _Choice:
     lo: int  # first position whose memory drops
     hi: int  # last position whose memory drops
     size: int
+    stall: int = 0  # predicted microseconds the consumer waits
 
 
-def _gap_swap(ctx: _Context, cand: Candidate, p: int, result: SimResult) -> _Choice | None:
+def _out_start(busy: list[tuple[int, int]], ready: int, duration: int) -> int:
+    """Earliest start >= ready of a ``duration`` gap on a stream busy during ``busy`` intervals."""
+    t = ready
+    for s, e in busy:
+        if e <= t:
+            continue
+        if s >= t + duration:
+            break
+        t = max(t, e)
+    return t
+
+
+def _gap_swap(ctx: _Context, cand: Candidate, p: int, result: SimResult,
+              d2h: list[tuple[int, int]]) -> _Choice | None:
     """Swap ``cand`` across position ``p``: GPU copy for uses before p, one swap-in for uses after."""
     sched = ctx.schedule
     t = sched.tensors[cand.tensor]
@@ -137,21 +151,32 @@ def _gap_swap(ctx: _Context, cand: Candidate, p: int, result: SimResult) -> _Cho
         return None
     starts, ends = result.starts, result.ends
     transfer = transfer_us(t.num_bytes, ctx.device.link_bandwidth)
-    freed_at = max([ends[t.producer] + transfer] + [ends[c] for c in near])
+    out_end = _out_start(d2h, ends[t.producer], transfer) + transfer
+    freed_at = max([out_end] + [ends[c] for c in near])
     lo = bisect.bisect_left(starts, freed_at)
+    waiters: tuple[int, ...] = ()
+    stall = 0
+    if lo > p:
+        # The transfer cannot be done before p starts: p waits for the swap-out (a stall).
+        if not ctx.can_trigger[p]:
+            return None
+        waiters, lo = (p,), p
+        stall = freed_at - starts[p]
     v = far[0]
-    # Latest trigger whose end leaves the transfer time before v starts (no stall).
-    latest = bisect.bisect_right(ends, starts[v] - transfer) - 1
-    latest = min(latest, v - 1)
-    earliest = max(near[-1] if near else t.producer, t.producer)
-    trig = ctx.trigger(v, latest, earliest) if latest >= earliest else None
+    earliest = near[-1] if near else t.producer
+    # Latest trigger whose end leaves the transfer time before v starts (no stall) ...
+    latest = min(bisect.bisect_right(ends, starts[v] - transfer) - 1, v - 1)
+    trig = ctx.trigger(v, latest, max(earliest, p)) if latest >= max(earliest, p) else None
     if trig is None:
+        # ... else the latest trigger that still covers p, accepting a stall.
+        trig = ctx.trigger(v, v - 1, max(earliest, p))
+        if trig is None:
+            return None
+        stall += max(0, transfer - (starts[v] - ends[trig]))
+    if not (lo <= p <= trig):  # the swap-in buffer is allocated when the trigger ends
         return None
-    hi = trig  # the swap-in buffer is allocated when the trigger ends: positions after it hold it
-    if not (lo <= p <= hi):
-        return None
-    swap = SimSwap(t.id, tuple(near), (SwapIn(tuple(far), trig),))
-    return _Choice(swap, lo, hi, t.num_bytes)
+    swap = SimSwap(t.id, tuple(near), (SwapIn(tuple(far), trig),), waiters=waiters)
+    return _Choice(swap, lo, trig, t.num_bytes, stall)
 
 
 def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]) -> tuple[list[SimSwap], SimResult]:
@@ -172,17 +197,20 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
                 excess = profile - budget_act
         p = int(np.argmax(excess))
         clipped = np.clip(excess, 0, None)
+        d2h = sorted((_us(s), _us(e)) for d, _t, s, e in result.transfers if d == "out")
         best, best_key = None, None
         for tid, cand in ctx.cands.items():
             if tid in chosen:
                 continue
-            choice = _gap_swap(ctx, cand, p, result)
+            choice = _gap_swap(ctx, cand, p, result, d2h)
             if choice is None:
                 continue
             covered = int(np.minimum(clipped[choice.lo: choice.hi + 1], choice.size).sum())
-            key = (covered, -choice.size, -tid)
+            key = (choice.stall == 0, covered, -choice.stall, -choice.size, -tid)
             if best_key is None or key > best_key:
                 best, best_key = choice, key
+        if best is None:
+            best = _late_free(ctx, chosen, p, result)
         if best is None:
             if p in tried_positions or not chosen:
                 raise _Stuck(p, result)
@@ -210,6 +238,33 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
                 result = check
     log.append(f"[LMS] planned {len(chosen)} swap(s) in {_round + 1} step(s)")
     return [c.swap for c in chosen.values()], result
+
+
+def _us(seconds: float) -> int:
+    return int(round(seconds * 1e6))
+
+
+def _late_free(ctx: _Context, chosen: dict, p: int, result: SimResult) -> _Choice | None:
+    """A swapped tensor whose GPU copy is still held at ``p`` because its swap-out is late
+    (the device-to-host stream is busy): make ``p`` wait for that swap-out."""
+    if not ctx.can_trigger[p]:
+        return None
+    out_end = {tid: _us(e) for d, tid, _s, e in result.transfers if d == "out"}
+    best = None
+    for tid in sorted(chosen):
+        c = chosen[tid]
+        swap = c.swap
+        if p in swap.waiters or (swap.near and swap.near[-1] >= p) or ctx.schedule.tensors[tid].producer >= p:
+            continue
+        if swap.groups and swap.groups[0].trigger < p:
+            continue
+        if out_end.get(tid, 0) <= result.starts[p]:
+            continue
+        if best is None or c.size > best.size:
+            best = _Choice(SimSwap(swap.tensor, swap.near, swap.groups, swap.sync_out,
+                                   tuple(sorted(swap.waiters + (p,)))), p, c.hi, c.size,
+                           c.stall + out_end[tid] - result.starts[p])
+    return best
 
 
 class _Stuck(Exception):

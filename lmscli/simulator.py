@@ -11,7 +11,8 @@ Model of one training step (times are whole microseconds, so equal times are exa
 * A swap-in starts when its trigger op ends and the swap-out is done, on the host-to-device
   stream; its GPU buffer is allocated when it starts and freed when its last consumer ends.
   A consumer cannot start before its swap-in is done: the difference is a stall.
-* ``sync_out`` makes the near consumers wait for the swap-out as well.
+* ``sync_out`` makes the near consumers wait for the swap-out as well; ``waiters`` are other ops
+  that wait for it (so the GPU copy is gone before they allocate).
 
 At equal times allocations come before frees, as in Grappler's memory accounting: a chain of
 zero-time ops holds all its tensors at once. This is conservative and keeps our figures
@@ -38,7 +39,8 @@ class SimSwap:
     tensor: int  # SimTensor id
     near: tuple[int, ...]  # positions still reading the GPU copy
     groups: tuple[SwapIn, ...]
-    sync_out: bool = False
+    sync_out: bool = False  # the near consumers wait for the swap-out (TFLMS sync_mode 1)
+    waiters: tuple[int, ...] = ()  # further positions that wait for the swap-out to finish
 
 
 @dataclass(frozen=True)
@@ -94,9 +96,8 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf) -> 
             triggered.setdefault(trig, []).append((tid, g))
             for c in group.consumers:
                 in_groups[(tid, c)] = g
-        if swap.sync_out:
-            for c in swap.near:
-                sync_waits.setdefault(c, []).append(tid)
+        for c in (swap.near if swap.sync_out else ()) + swap.waiters:
+            sync_waits.setdefault(c, []).append(tid)
 
     start = [0] * n
     end = [0] * n
