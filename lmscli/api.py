@@ -1,16 +1,148 @@
-"""The Python API: the same passes the CLI runs, for scripted pipelines.
+"""The Python API: the passes the CLI runs, for scripted pipelines.
 
 >>> from lmscli import api
 >>> model = api.load("sample_graphs/cnn.meta")
 >>> prepared = api.prepare(model)
 >>> facts = api.analyze(prepared)
->>> facts.peak_bytes > 0
-True
+>>> result = api.tune(prepared, api.make_device(gpu_mem=int(facts.peak_bytes * 0.8), reserve=0.0))
+>>> new_graph, report = api.rewrite(prepared, result.plan)
+>>> api.save(model, new_graph, "/tmp/cnn.lms.meta")  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-from lmscli.analysis import Analysis, Prepared, analyze, prepare
-from lmscli.loader import Model, atomic_write, load, serialize
+import os
+from dataclasses import replace
 
-__all__ = ["Analysis", "Model", "Prepared", "analyze", "atomic_write", "load", "prepare", "serialize"]
+from lmscli.analysis import Analysis, Prepared, analyze, prepare, with_graph_def
+from lmscli.candidates import Filters
+from lmscli.device import Device, make_device
+from lmscli.errors import InputError, NoFitError, PlanError
+from lmscli.loader import Model, atomic_write, load, serialize
+from lmscli.plan import Plan, graph_fingerprint
+from lmscli.planner import TflmsParams, TuneOptions, TuneResult, serialization_chains
+from lmscli.rewriter import DEFAULT_HOST_DEVICE, RewriteReport
+
+__all__ = [
+    "Analysis", "Device", "Filters", "Model", "Plan", "Prepared", "RewriteReport", "TflmsParams", "TuneOptions",
+    "TuneResult", "analyze", "check_with_grappler", "find_max_batch", "load", "make_device", "prepare",
+    "rewrite", "save", "serialization_chains", "serialize", "tune",
+]
+
+GRAPPLER_ROUNDS = 4
+
+
+def rewrite(prepared: Prepared, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, force: bool = False):
+    """Emit the plan into a copy of the prepared graph: ``(meta_graph, RewriteReport)``."""
+    from lmscli import rewriter
+
+    if plan.graph_sha256 and plan.graph_sha256 != graph_fingerprint(prepared.graph_def):
+        raise PlanError("the plan was made for a different graph (fingerprint mismatch); "
+                        "re-run lms tune on this graph, or check --batch-size")
+    meta = with_graph_def(prepared.model.meta_graph, prepared.graph_def)
+    return rewriter.rewrite(meta, plan, host_device=host_device, force=force, view=prepared.view)
+
+
+def check_with_grappler(prepared: Prepared, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE) -> dict:
+    """Grappler's estimate of the rewritten graph (tensors on the virtual GPU, plus resident bytes)."""
+    from lmscli import grappler
+
+    meta, _ = rewrite(prepared, plan, host_device=host_device, force=True)
+    estimate = grappler.estimate_peak(meta, prepared.model.fetches)
+    total = estimate.gpu_peak_bytes + prepared.schedule.resident_bytes
+    budget = int(plan.device.get("budget_bytes", 0))
+    return {"peak_bytes": total, "tensor_peak_bytes": estimate.gpu_peak_bytes,
+            "host_peak_bytes": estimate.host_peak_bytes, "fits": total <= budget if budget else None}
+
+
+def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(), check: bool = True,
+         host_device: str = DEFAULT_HOST_DEVICE) -> TuneResult:
+    """Plan with the simulator, then check the plan with Grappler; tighten and retry while Grappler
+    says it does not fit. The Grappler figures are stored in ``plan.grappler``."""
+    from lmscli.planner import tune as plan_tune
+
+    margin = 0
+    result = plan_tune(prepared, device, options)
+    if not check:
+        return result
+    for round_ in range(1, GRAPPLER_ROUNDS + 1):
+        figures = check_with_grappler(prepared, result.plan, host_device)
+        figures["rounds"] = round_
+        figures["margin_bytes"] = margin
+        plan = replace(result.plan, grappler=figures)
+        result = replace(result, plan=plan)
+        if figures["fits"] or (options.strategy == "tflms" and options.tflms is not None):
+            return result
+        excess = figures["peak_bytes"] - device.budget
+        margin += max(excess, device.budget // 200)
+        result = plan_tune(prepared, device, options, margin=margin)
+    raise NoFitError(f"the simulator found plans, but Grappler's estimate stayed over the budget after "
+                     f"{GRAPPLER_ROUNDS} rounds (last {result.plan.grappler.get('peak_bytes')} bytes > "
+                     f"{device.budget}); try a slightly larger --gpu-mem")
+
+
+def find_max_batch(model: Model, device: Device, options: TuneOptions = TuneOptions(), limit: int = 1 << 16,
+                   cost_model: str = "grappler"):
+    """The largest batch size for which a plan fits ``device`` (exponential then binary search).
+    Returns ``(batch_size, TuneResult, Prepared)``; raises NoFitError if batch 1 does not fit."""
+    def attempt(batch: int):
+        prepared = prepare(model, batch_size=batch, cost_model=cost_model)
+        if not prepared.batched_placeholders:
+            raise InputError("--find-max-batch needs a graph whose placeholders have an unknown batch dimension")
+        try:
+            return tune(prepared, device, options, check=False), prepared
+        except NoFitError:
+            return None
+
+    first = attempt(1)
+    if first is None:
+        raise NoFitError("even batch size 1 does not fit this device")
+    best = (1,) + first
+    lo, hi = 1, None
+    batch = 2
+    while hi is None and batch <= limit:
+        got = attempt(batch)
+        if got is None:
+            hi = batch
+        else:
+            best, lo = (batch,) + got, batch
+            batch *= 2
+    if hi is None:
+        hi = limit + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        got = attempt(mid)
+        if got is None:
+            hi = mid
+        else:
+            best, lo = (mid,) + got, mid
+    batch, _result, prepared = best
+    return batch, tune(prepared, device, options, check=True), prepared
+
+
+def save(model: Model, meta_graph, path: str) -> str:
+    """Write ``meta_graph`` to ``path`` in the input's format, atomically; never over the input."""
+    if os.path.exists(path) and os.path.exists(model.path) and os.path.samefile(path, model.path):
+        raise InputError(f"{path}: refusing to overwrite the input; write to another file")
+    fmt = model.format
+    if fmt == "savedmodel":
+        fmt = "metagraph"  # the rewritten graph of a SavedModel is written as a MetaGraphDef
+    atomic_write(path, serialize(meta_graph, fmt))
+    return fmt
+
+
+def with_link_predictions(prepared: Prepared, result: TuneResult) -> TuneResult:
+    """Add the plan's predicted step time on each named link to ``plan.predicted['per_link']``."""
+    from lmscli.device import LINKS
+    from lmscli.plan import to_sim
+    from lmscli.simulator import simulate
+
+    swaps = to_sim(result.plan.swaps, prepared.schedule)
+    base = result.baseline.step_time
+    per_link = {}
+    for name in ("nvlink2", "pcie3"):
+        sim = simulate(prepared.schedule, swaps, LINKS[name])
+        per_link[name] = {"step_time_s": sim.step_time, "overhead": round(sim.step_time / base - 1.0, 6) if base else 0.0,
+                          "peak_bytes": sim.peak_bytes}
+    predicted = dict(result.plan.predicted, per_link=per_link)
+    return replace(result, plan=replace(result.plan, predicted=predicted))

@@ -15,7 +15,10 @@ from functools import wraps
 import click
 
 from lmscli import __version__
+from lmscli.device import PRESETS as _PRESETS
 from lmscli.errors import EXIT_ERROR, LmsError
+
+PRESET_NAMES = tuple(_PRESETS)
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -65,6 +68,27 @@ def cli(ctx, debug):
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    ctx.default_map = project_defaults()
+
+
+CONFIG_KEYS = {"gpu_mem", "host_mem", "reserve", "link", "device", "strategy", "host_device", "batch_size", "fetch"}
+
+
+def project_defaults(path: str = "setup.cfg") -> dict:
+    """Defaults from the ``[lms]`` section of the project's setup.cfg (in the working directory)."""
+    import configparser
+
+    if not os.path.isfile(path):
+        return {}
+    parser = configparser.ConfigParser()
+    try:
+        parser.read(path, encoding="utf-8")
+    except configparser.Error:
+        return {}
+    if not parser.has_section("lms"):
+        return {}
+    values = {k.replace("-", "_"): v for k, v in parser.items("lms") if k.replace("-", "_") in CONFIG_KEYS}
+    return {"tune": dict(values), "rewrite": dict(values)}
 
 
 # ---------------------------------------------------------------- shared options
@@ -97,6 +121,80 @@ def output_options(func):
         return func(*args, **kwargs)
 
     return wrapper
+
+
+def device_options(func):
+    """The device a plan is made for (shared by tune and rewrite)."""
+
+    @click.option("--gpu-mem", metavar="SIZE", help="GPU memory, e.g. 16GiB, 32GB, 1.5e9, or N% of the no-swap peak.")
+    @click.option("--device", "device_preset", type=click.Choice(sorted(PRESET_NAMES)),
+                  help="A named GPU (memory, speed, link).")
+    @click.option("--reserve", type=click.FloatRange(0.0, 0.99), default=None,
+                  help="Share of GPU memory held back for workspaces and fragmentation (default 0.10).")
+    @click.option("--host-mem", metavar="SIZE", help="Pinned host memory for swapped tensors (default 64GiB).")
+    @click.option("--link", metavar="LINK", help="CPU-GPU link: nvlink2, pcie3, pcie4, pcie5, nvlink-c2c or e.g. 25GB/s.")
+    @wraps(func)
+    def wrapper(*args, **kwargs):
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
+def plan_options(func):
+    """How to plan (shared by tune and rewrite)."""
+
+    @click.option("--strategy", type=click.Choice(["lms", "tflms"]), default="lms", show_default=True,
+                  help="lms: per-tensor planning; tflms: TFLMS v2's parameter search.")
+    @click.option("--swapout-threshold", type=int, help="TFLMS: swap for consumers more than N levels away.")
+    @click.option("--swapin-ahead", type=int, help="TFLMS: start swap-ins N levels before the consumer.")
+    @click.option("--swapin-groupby", type=int, help="TFLMS: consumers within N levels share a swap-in.")
+    @click.option("--sync-mode", type=click.IntRange(0, 3), help="TFLMS: 0 async, 1 sync swap-out, 2 sync swap-in, 3 both.")
+    @click.option("--include-scope", multiple=True, metavar="SCOPE", help="Only swap tensors of ops under SCOPE.")
+    @click.option("--exclude-scope", multiple=True, metavar="SCOPE", help="Never swap tensors of ops under SCOPE.")
+    @click.option("--include-type", multiple=True, metavar="OP", help="Only swap tensors of ops of type OP.")
+    @click.option("--exclude-type", multiple=True, metavar="OP", help="Never swap tensors of ops of type OP.")
+    @click.option("--exclude-consumer-scope", multiple=True, metavar="SCOPE",
+                  help="Never rewire consumers under SCOPE to a swap-in.")
+    @click.option("--exclude-consumer-type", multiple=True, metavar="OP",
+                  help="Never rewire consumers of type OP to a swap-in.")
+    @click.option("--no-grappler-check", is_flag=True, help="Skip checking the plan with Grappler's estimate.")
+    @wraps(func)
+    def wrapper(*args, **kwargs):
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
+def _tune_options(strategy, swapout_threshold, swapin_ahead, swapin_groupby, sync_mode, include_scope,
+                  exclude_scope, include_type, exclude_type, exclude_consumer_scope, exclude_consumer_type):
+    from lmscli.candidates import Filters
+    from lmscli.planner import TflmsParams, TuneOptions
+
+    filters = Filters(include_scopes=tuple(include_scope), exclude_scopes=tuple(exclude_scope),
+                      include_types=tuple(include_type), exclude_types=tuple(exclude_type),
+                      exclude_consumer_scopes=tuple(exclude_consumer_scope),
+                      exclude_consumer_types=tuple(exclude_consumer_type))
+    manual = [swapout_threshold, swapin_ahead, swapin_groupby]
+    tflms = None
+    if any(v is not None for v in manual):
+        strategy = "tflms"
+        tflms = TflmsParams(swapout_threshold if swapout_threshold is not None else 1,
+                            swapin_ahead if swapin_ahead is not None else 1,
+                            swapin_groupby if swapin_groupby is not None else 0,
+                            sync_mode or 0)
+    return TuneOptions(strategy=strategy, filters=filters, tflms=tflms, sync_mode=sync_mode or 0)
+
+
+def _device(prepared, gpu_mem, device_preset, reserve, host_mem, link):
+    from lmscli import api
+    from lmscli.device import gpu_mem_from_text
+    from lmscli.simulator import simulate
+
+    peak = None
+    if isinstance(gpu_mem, str) and gpu_mem.strip().endswith("%"):
+        peak = simulate(prepared.schedule).peak_bytes
+    return api.make_device(gpu_mem=gpu_mem_from_text(gpu_mem, peak), preset=device_preset, reserve=reserve,
+                           host_mem=host_mem, link=link)
 
 
 def _console(no_color: bool, stderr: bool = False):
@@ -140,6 +238,124 @@ def analyze(model, fmt, fetch, tag, batch_size, as_json, verbose, quiet, no_colo
         _emit_json(result.to_dict())
     elif not quiet:
         report.render_analysis(_console(no_color), result)
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("model", type=click.Path())
+@model_options
+@device_options
+@plan_options
+@click.option("--find-max-batch", is_flag=True, help="Search the largest batch size that fits (unknown batch dims).")
+@click.option("--plan-out", type=click.Path(dir_okay=False), help="Write the plan as JSON (for lms rewrite --plan).")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write a memory-over-time plot (.png or .svg).")
+@output_options
+def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, host_mem, link, find_max_batch,
+         plan_out, plot, as_json, verbose, quiet, no_color, no_grappler_check, **plan_kwargs):
+    """Plan the least swapping that fits a GPU, and predict its cost."""
+    from lmscli import api, report
+
+    loaded = _load(model, fmt, fetch, tag)
+    options = _tune_options(**plan_kwargs)
+    if find_max_batch:
+        probe = api.prepare(loaded, batch_size=batch_size or 1)
+        device = _device(probe, gpu_mem, device_preset, reserve, host_mem, link)
+        batch, result, prepared = api.find_max_batch(loaded, device, options)
+    else:
+        prepared = api.prepare(loaded, batch_size=batch_size)
+        device = _device(prepared, gpu_mem, device_preset, reserve, host_mem, link)
+        result = api.tune(prepared, device, options, check=not no_grappler_check)
+        batch = None
+    result = api.with_link_predictions(prepared, result)
+    _log(report.tune_log_lines(result), verbose)
+    if plan_out:
+        api.atomic_write(plan_out, result.plan.to_json().encode("utf-8"))
+    if plot:
+        from lmscli import plots
+
+        plots.memory_plot(prepared, result, plot)
+    if as_json:
+        doc = {"schema": "lms.tune", "version": 1, "fits": result.fits, "necessary": result.necessary,
+               "max_batch_size": batch, "plan": result.plan.to_dict()}
+        _emit_json(doc)
+    elif not quiet:
+        console = _console(no_color)
+        if batch is not None:
+            console.print(f"[bold]largest batch size that fits: {batch}[/]")
+        report.render_tune(console, result)
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("model", type=click.Path())
+@click.argument("output", type=click.Path(dir_okay=False))
+@model_options
+@device_options
+@plan_options
+@click.option("--plan", "plan_file", type=click.Path(dir_okay=False), help="Apply a reviewed plan (from tune --plan-out).")
+@click.option("--serialize", "serialize_levels", metavar="LEVELS",
+              help="Run the ops of these levels one at a time, e.g. 1,3:5,7 (ranges include both ends).")
+@click.option("--serialize-by-size", metavar="SIZE", help="Serialize every level whose outputs exceed SIZE.")
+@click.option("--host-device", default="/device:CPU:0", show_default=True, help="Where swap nodes are placed.")
+@click.option("--force", is_flag=True, help="Rewrite a graph that already has lms/ swap nodes.")
+@click.option("--dry-run", is_flag=True, help="Report what would be added; write nothing.")
+@click.option("--plan-out", type=click.Path(dir_okay=False), help="Also write the applied plan as JSON.")
+@output_options
+def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, host_mem, link, plan_file,
+            serialize_levels, serialize_by_size, host_device, force, dry_run, plan_out, as_json, verbose, quiet,
+            no_color, no_grappler_check, **plan_kwargs):
+    """Write MODEL with swap-out and swap-in operations to OUTPUT (same format)."""
+    from dataclasses import replace
+
+    from lmscli import api, report
+    from lmscli.errors import InputError
+    from lmscli.plan import Plan
+    from lmscli.planner import parse_levels
+    from lmscli.units import parse_size
+
+    if os.path.abspath(model) == os.path.abspath(output):
+        raise InputError(f"{output}: refusing to overwrite the input; write to another file")
+    loaded = _load(model, fmt, fetch, tag)
+    prepared = api.prepare(loaded, batch_size=batch_size)
+    options = _tune_options(**plan_kwargs)
+    if plan_file:
+        try:
+            with open(plan_file, encoding="utf-8") as fh:
+                plan = Plan.from_json(fh.read())
+        except OSError as exc:
+            raise InputError(f"{plan_file}: cannot read the plan ({exc.strerror})") from None
+        result = None
+    elif gpu_mem is None and device_preset is None and options.tflms is None:
+        raise InputError("say how to plan: --gpu-mem SIZE, --device NAME, --plan plan.json, "
+                         "or TFLMS parameters (--swapout-threshold ...)")
+    else:
+        if gpu_mem is None and device_preset is None:
+            gpu_mem = str(1 << 50)  # manual TFLMS parameters: the budget is only reported
+        device = _device(prepared, gpu_mem, device_preset, reserve, host_mem, link)
+        result = api.with_link_predictions(prepared, api.tune(prepared, device, options, check=not no_grappler_check))
+        plan = result.plan
+    levels = parse_levels(serialize_levels) if serialize_levels else ()
+    min_bytes = parse_size(serialize_by_size) if serialize_by_size else None
+    if levels or min_bytes is not None:
+        plan = replace(plan, serialize=plan.serialize + api.serialization_chains(prepared, levels, min_bytes))
+    new_graph, rep = api.rewrite(prepared, plan, host_device=host_device, force=force)
+    written = None
+    if not dry_run:
+        written = api.save(loaded, new_graph, output)
+    if plan_out:
+        api.atomic_write(plan_out, plan.to_json().encode("utf-8"))
+    if result is not None:
+        _log(report.tune_log_lines(result), verbose)
+    _log([f"[LMS] {rep.summary()}"], verbose)
+    if as_json:
+        _emit_json({"schema": "lms.rewrite", "version": 1, "output": None if dry_run else output,
+                    "format": written, "dry_run": dry_run, "summary": rep.summary(),
+                    "swap_outs": rep.swap_outs, "swap_ins": rep.swap_ins, "swap_out_bytes": rep.swap_out_bytes,
+                    "swap_in_bytes": rep.swap_in_bytes, "control_edges": rep.control_edges,
+                    "added_nodes": list(rep.added_nodes), "plan": plan.to_dict()})
+    elif not quiet:
+        console = _console(no_color)
+        if result is not None:
+            report.render_tune(console, result)
+        report.render_rewrite(console, rep, output, dry_run)
 
 
 def main(argv=None):

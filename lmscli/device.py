@@ -93,6 +93,23 @@ def resolve_link(link: str) -> tuple[str, float]:
         ) from None
 
 
+def gpu_mem_from_text(text: str | int | None, peak_bytes: int | None = None) -> int | None:
+    """``16GiB`` -> bytes; ``50%`` -> half of ``peak_bytes`` (the no-swap peak)."""
+    if text is None:
+        return None
+    if isinstance(text, str) and text.strip().endswith("%"):
+        try:
+            share = float(text.strip()[:-1]) / 100.0
+        except ValueError:
+            raise InputError(f"not a percentage: {text!r}") from None
+        if not 0 < share <= 10:
+            raise InputError(f"--gpu-mem percentage must be in (0, 1000]: {text!r}")
+        if peak_bytes is None:
+            raise InputError("a --gpu-mem percentage needs the graph's peak")
+        return int(peak_bytes * share)
+    return parse_size(text)
+
+
 def make_device(
     gpu_mem: str | int | None = None,
     preset: str | None = None,

@@ -30,7 +30,8 @@ class PlannedSwap:
     bytes: int
     near: tuple[str, ...]  # consumers that keep reading the GPU copy
     swap_ins: tuple[PlannedSwapIn, ...]
-    sync_out: bool = False
+    sync_out: bool = False  # near consumers wait for the swap-out
+    waiters: tuple[str, ...] = ()  # other ops that wait for the swap-out
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class Plan:
                 PlannedSwap(
                     tensor=s["tensor"], bytes=int(s["bytes"]), near=tuple(s.get("near", ())),
                     swap_ins=tuple(PlannedSwapIn(tuple(g["consumers"]), g["trigger"]) for g in s["swap_ins"]),
-                    sync_out=bool(s.get("sync_out", False)),
+                    sync_out=bool(s.get("sync_out", False)), waiters=tuple(s.get("waiters", ())),
                 )
                 for s in data["swaps"]
             )
@@ -125,7 +126,7 @@ def to_sim(plan_swaps, schedule: Schedule) -> list[SimSwap]:
             for g in swap.swap_ins
         )
         out.append(SimSwap(ids[swap.tensor], tuple(sorted(pos(c, "consumer") for c in swap.near)), groups,
-                           swap.sync_out))
+                           swap.sync_out, tuple(sorted(pos(w, "waiter") for w in swap.waiters))))
     return out
 
 
@@ -141,5 +142,6 @@ def from_sim(sim_swaps, schedule: Schedule) -> tuple[PlannedSwap, ...]:
             swap_ins=tuple(PlannedSwapIn(tuple(schedule.names[c] for c in g.consumers), schedule.names[g.trigger])
                            for g in s.groups),
             sync_out=s.sync_out,
+            waiters=tuple(schedule.names[w] for w in s.waiters),
         ))
     return tuple(out)

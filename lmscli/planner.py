@@ -387,17 +387,17 @@ def plan_tflms(ctx: _Context, budget_act: int, log: list[str], start_sync: int =
 
 
 # ---------------------------------------------------------------------------- entry point
-def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions()) -> TuneResult:
-    """Find a plan that fits ``device``. Raises NoFitError when none can."""
+def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(), margin: int = 0) -> TuneResult:
+    """Find a plan that fits ``device`` (less ``margin`` bytes). Raises NoFitError when none can."""
     ctx = _Context(prepared, device, options.filters)
     sched = ctx.schedule
     log: list[str] = []
     baseline = ctx.simulate(())
     budget = device.budget
-    budget_act = budget - sched.resident_bytes
+    budget_act = budget - sched.resident_bytes - margin
     params: dict = {}
     swaps: list[SimSwap] = []
-    necessary = baseline.peak_bytes > budget
+    necessary = baseline.peak_bytes > budget - margin
     if options.strategy == "tflms" and options.tflms is not None:
         swaps = tflms_swaps(ctx, options.tflms)
         result = ctx.simulate(swaps)
@@ -459,3 +459,58 @@ def _no_fit_message(ctx: _Context, lb: int, lb_pos, budget: int) -> str:
     return (f"operation {name} ({sched.ops[lb_pos] if lb_pos is not None else '?'}) alone needs "
             f"{format_size(lb)} with everything that must stay resident (variables "
             f"{format_size(sched.resident_bytes)}); no swap plan can fit under {format_size(budget)}")
+
+
+# ---------------------------------------------------------------------------- serialization
+def parse_levels(spec: str) -> tuple[int, ...]:
+    """``"1,3:5,7"`` -> (1, 3, 4, 5, 7). A range ``a:b`` includes both ends."""
+    from lmscli.errors import InputError
+
+    levels: set[int] = set()
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        try:
+            if ":" in part:
+                lo, hi = (int(x) for x in part.split(":", 1))
+                if hi < lo:
+                    raise ValueError
+                levels.update(range(lo, hi + 1))
+            else:
+                levels.add(int(part))
+        except ValueError:
+            raise InputError(f"bad --serialize item {part!r} (use levels and inclusive ranges: 1,3:5,7)") from None
+    if any(level < 0 for level in levels):
+        raise InputError("--serialize levels must be >= 0")
+    return tuple(sorted(levels))
+
+
+def serialization_chains(prepared: Prepared, levels=(), min_bytes: int | None = None) -> tuple[tuple[str, ...], ...]:
+    """Control-edge chains that make the ops of each chosen level run one after another.
+
+    Ops of one level never depend on each other, so chaining them (by name) cannot close a cycle;
+    the last op of a serialized level is then linked to the first op of the next one. Level 0
+    (sources: variables, constants, placeholders) and ops in loops or cond branches are left alone.
+    """
+    sched, view = prepared.schedule, prepared.view
+    by_level: dict[int, list[int]] = {}
+    out_bytes: dict[int, int] = {}
+    for t in sched.tensors:
+        out_bytes[sched.levels[t.producer]] = out_bytes.get(sched.levels[t.producer], 0) + t.num_bytes
+    for k, node in enumerate(sched.nodes):
+        if (sched.levels[k] > 0 and sched.on_gpu[k] and not view.in_loop(node) and not view.conditional(node)
+                and sched.ops[k] not in CONTROL_FLOW_OPS):
+            by_level.setdefault(sched.levels[k], []).append(k)
+    chosen = set(levels)
+    if min_bytes is not None:
+        chosen |= {lv for lv, b in out_bytes.items() if b > min_bytes}
+    chains: list[tuple[str, ...]] = []
+    previous_last = None
+    for level in sorted(chosen):
+        ops = sorted(sched.names[k] for k in by_level.get(level, ()))
+        if not ops:
+            continue
+        if previous_last is not None:
+            chains.append((previous_last, ops[0]))
+        if len(ops) > 1:
+            chains.append(tuple(ops))
+        previous_last = ops[-1]
+    return tuple(chains)

@@ -74,3 +74,67 @@ def analysis_log_lines(a) -> Iterable[str]:
     yield f"[LMS] Original categorized topological sort has {a.levels} levels"
     yield f"[LMS] Simulated peak memory without swapping: {format_size(a.peak_bytes)}"
     yield f"[LMS] No swap plan can go below {format_size(a.lower_bound_bytes)}"
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:.1f}%"
+
+
+def render_tune(console: Console, result, analysis=None) -> None:
+    """The chosen plan: device, budget, memory before and after, traffic, predicted overhead."""
+    plan = result.plan
+    pred = plan.predicted
+    dev = plan.device
+    t = _table(f"Plan for {plan.model} ({plan.strategy} strategy)")
+    t.add_row("device", f"{format_size(dev['gpu_mem_bytes'])} GPU, {dev['reserve'] * 100:.0f}% reserved, "
+              f"link {dev['link']} ({dev['link_bytes_per_second'] / 1e9:.0f} GB/s per direction)")
+    t.add_row("budget", format_size(result.budget))
+    t.add_row("peak without swapping", format_size(pred["peak_bytes_without_plan"]))
+    verdict = "[green]fits[/]" if result.fits else "[red]does not fit[/]"
+    t.add_row("predicted peak with plan", f"[bold]{format_size(pred['peak_bytes'])}[/] ({verdict})")
+    if plan.grappler:
+        g = plan.grappler
+        ok = "[green]fits[/]" if g.get("fits") else "[red]does not fit[/]"
+        t.add_row("Grappler's estimate", f"{format_size(g['peak_bytes'])} ({ok}; {g.get('rounds', 1)} round(s))")
+    if not result.necessary:
+        t.add_row("swapping", "not necessary: the graph fits without it")
+    t.add_row("swap-outs", f"{pred['swap_outs']} ({format_size(pred['swap_out_bytes'])})")
+    t.add_row("swap-ins", f"{pred['swap_ins']} ({format_size(pred['swap_in_bytes'])})")
+    t.add_row("host memory (pinned)", format_size(pred["host_peak_bytes"]))
+    if pred["host_peak_bytes"] > dev["host_mem_bytes"]:
+        t.add_row("", f"[yellow]warning: more than --host-mem {format_size(dev['host_mem_bytes'])}[/]")
+    t.add_row("predicted step time", f"{pred['step_time_without_plan_s'] * 1e3:.2f} ms -> {pred['step_time_s'] * 1e3:.2f} ms "
+              f"(overhead {_pct(pred['overhead'])})")
+    for name, figures in sorted(pred.get("per_link", {}).items()):
+        t.add_row(f"  on {name}", f"{figures['step_time_s'] * 1e3:.2f} ms (overhead {_pct(figures['overhead'])})")
+    if plan.parameters:
+        t.add_row("parameters", ", ".join(f"{k} {v}" for k, v in plan.parameters.items()))
+    console.print(t)
+    if plan.swaps:
+        table = Table(title=f"Swapped tensors ({len(plan.swaps)}, largest first)", title_justify="left")
+        table.add_column("tensor", overflow="fold")
+        table.add_column("size", justify="right")
+        table.add_column("near", justify="right")
+        table.add_column("swap-ins", justify="right")
+        table.add_column("trigger", overflow="fold")
+        for swap in sorted(plan.swaps, key=lambda s: (-s.bytes, s.tensor))[:15]:
+            table.add_row(swap.tensor, format_size(swap.bytes), str(len(swap.near)), str(len(swap.swap_ins)),
+                          swap.swap_ins[0].trigger if swap.swap_ins else "")
+        if len(plan.swaps) > 15:
+            table.caption = f"... and {len(plan.swaps) - 15} more (see --plan-out)"
+        console.print(table)
+
+
+def tune_log_lines(result) -> Iterable[str]:
+    yield from result.log
+    pred = result.plan.predicted
+    yield (f"[LMS] Predicted peak {format_size(pred['peak_bytes'])} under a budget of "
+           f"{format_size(result.budget)}; overhead {_pct(pred['overhead'])}")
+
+
+def render_rewrite(console: Console, report, output: str | None, dry_run: bool) -> None:
+    line = report.summary()
+    if report.control_edges:
+        line += f", {report.control_edges} control edge(s)"
+    console.print(("[bold]dry run:[/] would write " if dry_run else "wrote ") + (output or "") + "")
+    console.print(line)

@@ -1,0 +1,182 @@
+"""The emit pass: a new MetaGraphDef with the plan's swap-out and swap-in operations.
+
+For a tensor ``t`` produced by ``P`` with a near consumer ``A`` and far consumers ``B``, ``C``::
+
+    before                         after
+    P --t--> A                     P --t--> A
+    P --t--> B                     P --t--> lms/swapout/P_0 (Identity, host)
+    P --t--> C                                  |
+                                                v
+                                   lms/swapin/P_0/0 (Identity, host) <- - - ^trigger
+                                                |
+                                                +--> B, C
+
+The swap-out copies ``t`` to the host as soon as ``P`` finishes; the GPU copy is freed when ``A``
+is done. The swap-in holds the host copy; the host-to-device copy happens when the trigger has
+run, just before ``B`` needs it. Waiters (``- - -`` control edges from the swap-out) stop ops from
+allocating before a swap-out has finished. Serialized levels chain ops with control edges.
+
+Inserted nodes live under ``lms/``, carry ``_grappler_do_not_remove`` and never a ``_class``
+colocation attribute. The result is validated (unique names, no dangling inputs, no cycles).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lmscli.errors import GraphError, PlanError
+from lmscli.graphview import GraphView, parse_input
+from lmscli.plan import Plan
+
+SCOPE = "lms/"
+DEFAULT_HOST_DEVICE = "/device:CPU:0"
+
+
+@dataclass(frozen=True)
+class RewriteReport:
+    swap_outs: int
+    swap_ins: int
+    swap_out_bytes: int
+    swap_in_bytes: int
+    control_edges: int
+    added_nodes: tuple[str, ...]
+
+    def summary(self) -> str:
+        from lmscli.units import format_size
+
+        return (f"Added {self.swap_outs + self.swap_ins} operations to the model ({self.swap_outs} swap-out "
+                f"operations ({format_size(self.swap_out_bytes)}) and {self.swap_ins} swap-in operations "
+                f"({format_size(self.swap_in_bytes)}))")
+
+
+def has_lms_nodes(graph_def) -> bool:
+    return any(node.name.startswith(SCOPE) for node in graph_def.node)
+
+
+def _safe(name: str) -> str:
+    return name.replace("/", "_").replace(":", "_")
+
+
+def _tensor_ref(node: str, output: int) -> str:
+    return node if output == 0 else f"{node}:{output}"
+
+
+def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, force: bool = False,
+            view: GraphView | None = None):
+    """Return ``(new_meta_graph, RewriteReport)``; ``meta_graph`` is not modified.
+
+    ``view`` (of the same graph, with shapes) saves re-importing the graph to learn dtypes."""
+    from lmscli.tfimport import tensorflow
+
+    tensorflow()
+    from tensorflow.core.framework import attr_value_pb2
+
+    if has_lms_nodes(meta_graph.graph_def) and not force:
+        raise GraphError("the graph already contains lms/ swap nodes (it was rewritten before); "
+                         "pass --force to rewrite it again")
+    out = type(meta_graph)()
+    out.CopyFrom(meta_graph)
+    graph = out.graph_def
+    nodes = {node.name: node for node in graph.node}
+    dtypes = _view_dtypes(view) if view is not None else _output_dtypes(graph)
+    added: list[str] = []
+    control_edges = 0
+    taken = set(nodes)
+
+    def unique(name: str) -> str:
+        base, n = name, 1
+        while name in taken:
+            name = f"{base}_{n}"
+            n += 1
+        taken.add(name)
+        return name
+
+    def add_identity(name: str, source: str, dtype, device: str):
+        node = graph.node.add(name=name, op="Identity", device=device)
+        node.input.append(source)
+        node.attr["T"].type = dtype
+        node.attr["_grappler_do_not_remove"].CopyFrom(attr_value_pb2.AttrValue(b=True))
+        added.append(name)
+        return node
+
+    def add_control(target: str, source: str):
+        nonlocal control_edges
+        node = nodes.get(target)
+        if node is None:
+            raise PlanError(f"the plan names op {target!r}, which is not in the graph")
+        ref = "^" + source
+        if ref not in node.input:
+            node.input.append(ref)
+            control_edges += 1
+
+    out_bytes = in_bytes = n_in = 0
+    for swap in plan.swaps:
+        producer, output, _ = parse_input(swap.tensor)
+        if producer not in nodes:
+            raise PlanError(f"the plan swaps {swap.tensor!r}, but the graph has no node {producer!r}")
+        dtype = dtypes.get((producer, output))
+        if dtype is None:
+            raise PlanError(f"cannot tell the dtype of {swap.tensor!r}")
+        swapout = unique(f"{SCOPE}swapout/{_safe(producer)}_{output}")
+        add_identity(swapout, _tensor_ref(producer, output), dtype, host_device)
+        out_bytes += swap.bytes
+        refs = {_tensor_ref(producer, output), f"{producer}:{output}"}
+        for g, group in enumerate(swap.swap_ins):
+            swapin = unique(f"{SCOPE}swapin/{_safe(producer)}_{output}/{g}")
+            node = add_identity(swapin, swapout, dtype, host_device)
+            if group.trigger not in nodes:
+                raise PlanError(f"the plan's trigger {group.trigger!r} is not in the graph")
+            node.input.append("^" + group.trigger)
+            control_edges += 1
+            n_in += 1
+            in_bytes += swap.bytes
+            for consumer in group.consumers:
+                target = nodes.get(consumer)
+                if target is None:
+                    raise PlanError(f"the plan rewires {consumer!r}, which is not in the graph")
+                hits = 0
+                for k, text in enumerate(target.input):
+                    if text in refs:
+                        target.input[k] = swapin
+                        hits += 1
+                if hits == 0:
+                    raise PlanError(f"{consumer!r} does not read {swap.tensor!r}; the plan does not match the graph")
+        waiters = list(swap.near) if swap.sync_out else []
+        waiters += [w for w in swap.waiters if w not in waiters]
+        for waiter in waiters:
+            add_control(waiter, swapout)
+    for chain in plan.serialize:
+        for before, after in zip(chain, chain[1:]):
+            add_control(after, before)
+    try:
+        GraphView(graph)
+    except GraphError as exc:
+        raise GraphError(f"the rewritten graph is invalid: {exc}") from None
+    report = RewriteReport(len(plan.swaps), n_in, out_bytes, in_bytes, control_edges, tuple(added))
+    return out, report
+
+
+def _view_dtypes(view: GraphView) -> dict:
+    from lmscli.tfimport import tensorflow
+
+    tf = tensorflow()
+    cache: dict = {}
+    out = {}
+    for i, name in enumerate(view.names):
+        for k, info in enumerate(view.outputs(i)):
+            if info.dtype not in cache:
+                cache[info.dtype] = tf.as_dtype(info.dtype).as_datatype_enum
+            out[(name, k)] = cache[info.dtype]
+    return out
+
+
+def _output_dtypes(graph_def) -> dict:
+    """(node, output) -> DataType enum, from TensorFlow's op registry (via a graph import)."""
+    from lmscli.tfimport import tensorflow
+
+    tf = tensorflow()
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.import_graph_def(graph_def, name="")
+    return {(op.name, k): t.dtype.base_dtype.as_datatype_enum
+            for op in graph.get_operations() for k, t in enumerate(op.outputs)}
