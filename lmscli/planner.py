@@ -195,22 +195,18 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
             if excess.max() <= 0:  # the peak falls between positions: nudge the profile
                 profile[result.peak_position] = result.activation_peak_bytes
                 excess = profile - budget_act
-        p = int(np.argmax(excess))
+        # The worst point may be a run of ops at one instant: try its ops from the last one back
+        # (ops that ran before p at the same instant count as "before").
+        worst = excess.max()
+        plateau = np.flatnonzero(excess == worst)[::-1][:64]
         clipped = np.clip(excess, 0, None)
         d2h = sorted((_us(s), _us(e)) for d, _t, s, e in result.transfers if d == "out")
-        best, best_key = None, None
-        for tid, cand in ctx.cands.items():
-            if tid in chosen:
-                continue
-            choice = _gap_swap(ctx, cand, p, result, d2h)
-            if choice is None:
-                continue
-            covered = int(np.minimum(clipped[choice.lo: choice.hi + 1], choice.size).sum())
-            key = (choice.stall == 0, covered, -choice.stall, -choice.size, -tid)
-            if best_key is None or key > best_key:
-                best, best_key = choice, key
-        if best is None:
-            best = _late_free(ctx, chosen, p, result)
+        best = None
+        for p in (int(x) for x in plateau):
+            best = _best_choice(ctx, chosen, p, result, d2h, clipped)
+            if best is not None:
+                break
+        p = int(plateau[0])
         if best is None:
             if p in tried_positions or not chosen:
                 raise _Stuck(p, result)
@@ -238,6 +234,22 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
                 result = check
     log.append(f"[LMS] planned {len(chosen)} swap(s) in {_round + 1} step(s)")
     return [c.swap for c in chosen.values()], result
+
+
+def _best_choice(ctx: _Context, chosen: dict, p: int, result: SimResult, d2h, clipped) -> _Choice | None:
+    """The swap that removes the most excess across ``p`` (no-stall swaps first)."""
+    best, best_key = None, None
+    for tid, cand in ctx.cands.items():
+        if tid in chosen:
+            continue
+        choice = _gap_swap(ctx, cand, p, result, d2h)
+        if choice is None:
+            continue
+        covered = int(np.minimum(clipped[choice.lo: choice.hi + 1], choice.size).sum())
+        key = (choice.stall == 0, covered, -choice.stall, -choice.size, -tid)
+        if best_key is None or key > best_key:
+            best, best_key = choice, key
+    return best if best is not None else _late_free(ctx, chosen, p, result)
 
 
 def _us(seconds: float) -> int:
@@ -411,18 +423,14 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
         lb, lb_pos = lower_bound(prepared, set(ctx.cands))
         if lb > budget:
             raise NoFitError(_no_fit_message(ctx, lb, lb_pos, budget))
-        try:
-            if options.strategy == "tflms":
+        if options.strategy == "tflms":
+            try:
                 swaps, chosen, result = plan_tflms(ctx, budget_act, log, options.sync_mode)
-                params = chosen.__dict__.copy()
-            else:
-                swaps, result = plan_lms(ctx, budget_act, baseline, log)
-        except _Stuck as stuck:
-            raise NoFitError(
-                f"no swap plan found under {format_size(budget)}: at {sched.names[stuck.position]} the "
-                f"{options.strategy} strategy still needs {format_size(stuck.result.peak_bytes)} "
-                f"(lower bound {format_size(lb)}); try a larger --gpu-mem or a smaller batch"
-            ) from None
+            except _Stuck as stuck:
+                raise NoFitError(_stuck_message(ctx, stuck, "tflms", budget_act, lb)) from None
+            params = chosen.__dict__.copy()
+        else:
+            swaps, result, params = _best_plan(ctx, budget_act, baseline, log, options, lb)
     plan = Plan(
         model=prepared.model.name,
         graph_sha256=graph_fingerprint(prepared.graph_def),
@@ -435,6 +443,45 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
         predicted=predicted(baseline, result, budget),
     )
     return TuneResult(plan, baseline, result, budget, necessary, tuple(log))
+
+
+def _best_plan(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str], options: TuneOptions, lb: int):
+    """The lms strategy: the greedy per-tensor plan, with TFLMS's search as a second candidate;
+    of the plans that fit, the one that swaps the fewest bytes (then: the shortest step)."""
+    found = []
+    stuck_at = None
+    try:
+        swaps, result = plan_lms(ctx, budget_act, baseline, log)
+        found.append((result.swap_out_bytes, result.step_time, 0, swaps, result, {}))
+    except _Stuck as stuck:
+        stuck_at = stuck
+        log.append(f"[LMS] greedy planning stuck at {ctx.schedule.names[stuck.position]}")
+    try:
+        swaps, chosen, result = plan_tflms(ctx, budget_act, [], options.sync_mode)
+        found.append((result.swap_out_bytes, result.step_time, 1, swaps, result, {"tflms_search": chosen.__dict__}))
+    except _Stuck as stuck:
+        stuck_at = stuck_at or stuck
+    if not found:
+        raise NoFitError(_stuck_message(ctx, stuck_at, "lms", budget_act, lb))
+    found.sort(key=lambda f: f[:3])
+    _bytes, _time, origin, swaps, result, params = found[0]
+    if origin == 1:
+        log.append("[LMS] TFLMS-style parameters swap fewer bytes here than the greedy plan; using them")
+    return swaps, result, params
+
+
+def _stuck_message(ctx: _Context, stuck: _Stuck, strategy: str, budget_act: int, lb: int) -> str:
+    sched = ctx.schedule
+    node = sched.nodes[stuck.position]
+    where = ""
+    if ctx.view.in_loop(node):
+        where = " (inside a while loop, where lms does not swap)"
+    elif ctx.view.conditional(node):
+        where = " (inside a cond branch, where lms adds no control edges)"
+    return (f"no swap plan found under {format_size(budget_act + sched.resident_bytes)}: at "
+            f"{sched.names[stuck.position]}{where} the {strategy} strategy still needs "
+            f"{format_size(stuck.result.peak_bytes)} (lower bound {format_size(lb)}); "
+            "try a larger --gpu-mem or a smaller batch")
 
 
 def predicted(baseline: SimResult, result: SimResult, budget: int) -> dict:
