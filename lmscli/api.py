@@ -69,16 +69,14 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
         figures = check_with_grappler(prepared, result.plan, host_device)
         figures["rounds"] = round_
         figures["margin_bytes"] = margin
-        plan = replace(result.plan, grappler=figures)
-        result = replace(result, plan=plan)
+        result = replace(result, plan=replace(result.plan, grappler=figures))
         if figures["fits"] or (options.strategy == "tflms" and options.tflms is not None):
             return result
-        excess = figures["peak_bytes"] - device.budget
-        margin += max(excess, device.budget // 200)
+        margin += max(figures["peak_bytes"] - device.budget, device.budget // 200)
         result = plan_tune(prepared, device, options, margin=margin)
     raise NoFitError(f"the simulator found plans, but Grappler's estimate stayed over the budget after "
-                     f"{GRAPPLER_ROUNDS} rounds (last {result.plan.grappler.get('peak_bytes')} bytes > "
-                     f"{device.budget}); try a slightly larger --gpu-mem")
+                     f"{GRAPPLER_ROUNDS} rounds (last {figures['peak_bytes']:,} bytes > {device.budget:,}); "
+                     "try a slightly larger --gpu-mem")
 
 
 def find_max_batch(model: Model, device: Device, options: TuneOptions = TuneOptions(), limit: int = 1 << 16,

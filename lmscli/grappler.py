@@ -91,6 +91,7 @@ class Trace:
 
     order: tuple[str, ...]
     micros: dict
+    on_host: frozenset = frozenset()  # ops Grappler's placer put on the CPU (no GPU kernel)
 
 
 def trace(meta_graph, fetches, gpu_mem: int = 1 << 50) -> Trace:
@@ -110,4 +111,14 @@ def trace(meta_graph, fetches, gpu_mem: int = 1 << 50) -> Trace:
             rows.append((ns.all_start_micros, "GPU" not in dev.device.upper(), seq, ns.node_name,
                          ns.op_end_rel_micros))
     rows.sort()
-    return Trace(tuple(r[3] for r in rows), {r[3]: int(r[4]) for r in rows})
+    return Trace(tuple(r[3] for r in rows), {r[3]: int(r[4]) for r in rows}, frozenset(r[3] for r in rows if r[1]))
+
+
+def tensor_sizes(meta_graph, fetches) -> dict:
+    """Bytes Grappler's own shape inference gives each output: ``(node, output) -> bytes``."""
+    from tensorflow.python.grappler import item as gitem
+
+    meta = placed_metagraph(meta_graph, fetches)
+    _perfs, _run_time, step_stats = _cluster(1 << 50).MeasureCosts(gitem.Item(meta))
+    return {(ns.node_name, o.slot): int(o.tensor_description.allocation_description.allocated_bytes)
+            for dev in step_stats.dev_stats for ns in dev.node_stats for o in ns.output}

@@ -120,9 +120,10 @@ def build_schedule(view: GraphView, fetches, flops: float = 15.7e12, mem_bandwid
     """
     roots = [view.index[name] for name in fetches]
     active = view.ancestors(roots)
+    host = {i for i in active if view.on_host(i) or (trace is not None and view.names[i] in trace.on_host)}
     cost = {}
     for i in active:
-        if view.on_host(i):
+        if i in host:
             cost[i] = 0
         elif trace is not None and view.names[i] in trace.micros:
             cost[i] = trace.micros[view.names[i]]
@@ -133,7 +134,7 @@ def build_schedule(view: GraphView, fetches, flops: float = 15.7e12, mem_bandwid
         rank = {view.index[name]: r for r, name in enumerate(trace.order) if name in view.index}
     order = first_ready_order(view, active, cost, rank)
     position = {node: pos for pos, node in enumerate(order)}
-    on_gpu = tuple(not view.on_host(i) for i in order)
+    on_gpu = tuple(i not in host for i in order)
     var_bytes = sum(variable_bytes(view, i) for i in order if view.ops[i] in VARIABLE_OPS)
     const_bytes = 0
     tensors: list[SimTensor] = []

@@ -1,0 +1,184 @@
+"""The tuning pass: both strategies, plans that fit per the simulator and Grappler, the CLI."""
+
+import json
+
+import pytest
+
+from lmscli import api
+from lmscli.errors import NoFitError
+from lmscli.plan import Plan
+from lmscli.planner import TflmsParams, TuneOptions, parse_levels
+from tests.conftest import TRAINING_SAMPLES, invoke
+
+
+def _prepared(samples, name, batch=None):
+    model = api.load(str(samples / f"{name}.meta"))
+    return api.prepare(model, batch_size=batch)
+
+
+@pytest.fixture(scope="module")
+def unet64():
+    """A 3D U-Net at 64^3: ops take long enough for transfers to overlap compute."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location("generate", pathlib.Path(__file__).parent.parent / "sample_graphs/generate.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    meta = gen.build("unet3d", volume=64, batch=1)
+    model = api.Model(path="unet3d_64.meta", format="metagraph", meta_graph=meta, fetches=("train_op",),
+                      fetch_source="train_op")
+    return api.prepare(model)
+
+
+def _device(prepared, share):
+    peak = api.analyze(prepared).peak_bytes
+    return api.make_device(gpu_mem=int(peak * share), reserve=0.0)
+
+
+@pytest.mark.parametrize("name", TRAINING_SAMPLES)
+def test_every_sample_at_standard_budgets(samples, name):
+    """At 75%, 50% and 35% of the peak (where at least the lower bound): a plan that fits by the
+    simulator and by Grappler, or a NoFitError that names the op where memory is stuck."""
+    prepared = _prepared(samples, name, 4 if name == "unknown_batch" else None)
+    facts = api.analyze(prepared)
+    for share in (0.75, 0.5, 0.35):
+        budget = int(facts.peak_bytes * share)
+        if budget < facts.lower_bound_bytes:
+            continue
+        try:
+            result = api.tune(prepared, api.make_device(gpu_mem=budget, reserve=0.0))
+        except NoFitError as exc:
+            assert "needs" in str(exc) and "lower bound" in str(exc)
+            continue
+        assert result.fits and result.result.peak_bytes <= budget
+        assert result.plan.grappler["fits"] and result.plan.grappler["peak_bytes"] <= budget
+
+
+@pytest.mark.parametrize("name,share", [("cnn", 0.75), ("unet3d", 0.75), ("resnet50", 0.9)])
+def test_plans_fit_where_expected(samples, name, share):
+    prepared = _prepared(samples, name, 4 if name == "unknown_batch" else None)
+    result = api.tune(prepared, _device(prepared, share))
+    assert result.necessary and result.fits and result.plan.swaps
+    assert result.plan.grappler["fits"]
+    assert result.plan.predicted["peak_bytes"] <= result.budget
+
+
+def test_default_never_swaps_more_than_tflms(unet64):
+    for share in (0.75, 0.5):
+        device = _device(unet64, share)
+        ours = api.tune(unet64, device, check=False)
+        theirs = api.tune(unet64, device, TuneOptions(strategy="tflms"), check=False)
+        assert ours.fits and theirs.fits
+        assert ours.plan.swap_out_bytes <= theirs.plan.swap_out_bytes
+
+
+def test_tflms_search_logs_parameter_sets(unet64):
+    result = api.tune(unet64, _device(unet64, 0.6), TuneOptions(strategy="tflms"), check=False)
+    found = [line for line in result.log if "Found a parameter set" in line]
+    assert found and result.fits
+    last = result.plan.parameters
+    assert f"swapout_threshold {last['swapout_threshold']}" in found[-1]
+    assert set(last) == {"swapout_threshold", "swapin_ahead", "swapin_groupby", "sync_mode"}
+
+
+def test_not_necessary(samples):
+    prepared = _prepared(samples, "cnn")
+    result = api.tune(prepared, api.make_device(gpu_mem="16GiB"))
+    assert not result.necessary and not result.plan.swaps
+    assert any("LMS is not necessary" in line for line in result.log)
+
+
+def test_manual_tflms_parameters_skip_the_search(samples):
+    prepared = _prepared(samples, "cnn")
+    options = TuneOptions(strategy="tflms", tflms=TflmsParams(3, 2, 5, 0))
+    result = api.tune(prepared, api.make_device(gpu_mem="16GiB"), options, check=False)
+    assert result.plan.parameters == {"swapout_threshold": 3, "swapin_ahead": 2, "swapin_groupby": 5, "sync_mode": 0}
+    assert result.plan.swaps
+    levels = dict(zip(prepared.schedule.names, prepared.schedule.levels))
+    for swap in result.plan.swaps:
+        producer = swap.tensor.rsplit(":", 1)[0]
+        for group in swap.swap_ins:
+            assert all(levels[c] - levels[producer] > 3 for c in group.consumers)
+
+
+def test_budget_below_lower_bound_is_exit_3(samples, runner):
+    result = invoke(runner, "tune", samples / "resnet50.meta", "--gpu-mem", "100MiB")
+    assert result.exit_code == 3
+    assert "alone needs" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_plan_json_round_trip_and_apply(samples, runner, tmp_path):
+    plan_path = tmp_path / "plan.json"
+    result = invoke(runner, "tune", samples / "cnn.meta", "--gpu-mem", "75%", "--reserve", "0",
+                    "--plan-out", plan_path, "--json")
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["schema"] == "lms.tune" and doc["fits"] is True
+    plan = Plan.from_json(plan_path.read_text())
+    assert Plan.from_json(plan.to_json()) == plan
+    assert json.loads(plan.to_json())["swaps"] == doc["plan"]["swaps"]
+    a, b = tmp_path / "a.meta", tmp_path / "b.meta"
+    assert invoke(runner, "rewrite", samples / "cnn.meta", a, "--plan", plan_path, "-q").exit_code == 0
+    assert invoke(runner, "rewrite", samples / "cnn.meta", b, "--gpu-mem", "75%", "--reserve", "0", "-q").exit_code == 0
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_bad_plans(samples, runner, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    result = invoke(runner, "rewrite", samples / "cnn.meta", tmp_path / "o.meta", "--plan", bad)
+    assert result.exit_code == 1 and "not valid JSON" in result.stderr
+    other = tmp_path / "other.json"
+    assert invoke(runner, "tune", samples / "unet3d.meta", "--gpu-mem", "75%", "--reserve", "0",
+                  "--plan-out", other, "-q").exit_code == 0
+    result = invoke(runner, "rewrite", samples / "cnn.meta", tmp_path / "o.meta", "--plan", other)
+    assert result.exit_code == 1 and "different graph" in result.stderr
+
+
+def test_find_max_batch(samples):
+    model = api.load(str(samples / "unknown_batch.meta"))
+    prepared = api.prepare(model, batch_size=8)
+    device = api.make_device(gpu_mem=int(api.analyze(prepared).peak_bytes), reserve=0.0)
+    batch, result, _ = api.find_max_batch(model, device)
+    assert batch >= 8 and result.fits
+    with pytest.raises(NoFitError):
+        api.tune(api.prepare(model, batch_size=batch + 1), device, check=False)
+
+
+def test_setup_cfg_defaults(samples, runner, tmp_path, monkeypatch):
+    (tmp_path / "setup.cfg").write_text("[lms]\ngpu_mem = 16GiB\nlink = pcie3\n")
+    monkeypatch.chdir(tmp_path)
+    result = invoke(runner, "tune", samples / "cnn.meta", "--json")
+    assert result.exit_code == 0, result.stderr
+    device = json.loads(result.stdout)["plan"]["device"]
+    assert device["gpu_mem_bytes"] == 16 << 30 and device["link"] == "pcie3"
+
+
+def test_parse_levels():
+    assert parse_levels("1,3:5,7") == (1, 3, 4, 5, 7)
+    assert parse_levels("2:2") == (2,)
+    from lmscli.errors import InputError
+
+    for bad in ("5:3", "a", "-1"):
+        with pytest.raises(InputError):
+            parse_levels(bad)
+
+
+def test_tune_is_deterministic(samples, runner):
+    args = ("tune", samples / "unet3d.meta", "--gpu-mem", "75%", "--reserve", "0", "--json")
+    assert invoke(runner, *args).stdout == invoke(runner, *args).stdout
+
+
+def test_host_memory_warning(samples, runner):
+    result = invoke(runner, "tune", samples / "unet3d.meta", "--gpu-mem", "75%", "--reserve", "0",
+                    "--host-mem", "1KiB", "--no-color")
+    assert result.exit_code == 0
+    assert "more than --host-mem" in result.stdout
+
+
+def test_cli_tune_renders(samples, runner):
+    result = invoke(runner, "tune", samples / "unet3d.meta", "--gpu-mem", "75%", "--reserve", "0", "--no-color")
+    assert result.exit_code == 0
+    for text in ("predicted peak with plan", "Grappler's estimate", "swap-outs", "on pcie3"):
+        assert text in result.stdout
