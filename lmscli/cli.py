@@ -306,14 +306,18 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
     from dataclasses import replace
 
     from lmscli import api, report
-    from lmscli.errors import InputError
+    from lmscli.errors import GraphError, InputError
     from lmscli.plan import Plan
+    from lmscli.rewriter import has_lms_nodes
     from lmscli.planner import parse_levels
     from lmscli.units import parse_size
 
     if os.path.abspath(model) == os.path.abspath(output):
         raise InputError(f"{output}: refusing to overwrite the input; write to another file")
     loaded = _load(model, fmt, fetch, tag)
+    if not force and has_lms_nodes(loaded.graph_def):
+        raise GraphError(f"{model}: the graph already contains lms/ swap nodes (it was rewritten before); "
+                         "pass --force to rewrite it again")
     prepared = api.prepare(loaded, batch_size=batch_size)
     options = _tune_options(**plan_kwargs)
     if plan_file:

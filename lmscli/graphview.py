@@ -211,19 +211,23 @@ class GraphView:
         return frames, parent
 
     def _cond_depths(self) -> list[int]:
+        """Switches of tf.cond outside loops add one, Merges outside loops take one away; the
+        Switch/Merge pairs that implement while loops do not count (an Exit restores the depth
+        the loop was entered at)."""
         depth = [0] * self.size
+        entered_at: dict[str, int] = {}
         for i in self.order:
             best = 0
-            for src, _ in self.data_inputs[i]:
-                if self.is_back_edge(src, i):
-                    continue
-                d = depth[src] + (1 if self.ops[src] in ("Switch", "RefSwitch") else 0)
+            for src in self.predecessors(i):
+                d = depth[src] + (1 if self.ops[src] in ("Switch", "RefSwitch") and not self.frames[src] else 0)
                 best = max(best, d)
-            for src in self.control_inputs[i]:
-                d = depth[src] + (1 if self.ops[src] in ("Switch", "RefSwitch") else 0)
-                best = max(best, d)
-            if self.ops[i] in ("Merge", "RefMerge") and not self.frames[i]:
+            op = self.ops[i]
+            if op in ("Merge", "RefMerge") and not self.frames[i]:
                 best = max(best - 1, 0)
+            elif op in ("Enter", "RefEnter"):
+                entered_at[self.frames[i]] = max(entered_at.get(self.frames[i], 0), best)
+            elif op in ("Exit", "RefExit"):
+                best = entered_at.get(self.frames[i], 0)
             depth[i] = best
         return depth
 

@@ -311,19 +311,20 @@ def tflms_swaps(ctx: _Context, params: TflmsParams) -> list[SimSwap]:
         swap_ins = []
         for group in groups:
             first = min(group)
-            trigger = _tflms_trigger(ctx, first, lp, params)
+            trigger = _tflms_trigger(ctx, first, t.producer, params)
             swap_ins.append(SwapIn(tuple(sorted(group)), trigger))
         out.append(SimSwap(tid, near, tuple(swap_ins), sync_out=params.sync_mode in (1, 3)))
     return out
 
 
-def _tflms_trigger(ctx: _Context, consumer: int, producer_level: int, params: TflmsParams) -> int:
+def _tflms_trigger(ctx: _Context, consumer: int, producer: int, params: TflmsParams) -> int:
     """TFLMS: an op about ``swapin_ahead`` levels before the consumer (scanning back at most 10
     levels, not before the producer's level + 1) that reaches the consumer; else synchronous."""
     sched = ctx.schedule
     levels = sched.levels
+    producer_level = levels[producer]
     if params.sync_mode in (2, 3):
-        return _just_in_time(ctx, consumer)
+        return _just_in_time(ctx, consumer, producer)
     top = levels[consumer] - params.swapin_ahead - 1
     bottom = max(producer_level + 1, top - 10)
     # Ancestors in decreasing position; take the first whose level is in [bottom, top].
@@ -340,13 +341,14 @@ def _tflms_trigger(ctx: _Context, consumer: int, producer_level: int, params: Tf
             if q not in seen:
                 seen.add(q)
                 heapq.heappush(heap, -q)
-    return _just_in_time(ctx, consumer)
+    return _just_in_time(ctx, consumer, producer)
 
 
-def _just_in_time(ctx: _Context, consumer: int) -> int:
-    """Synchronous swap-in: start when the consumer's other inputs are ready (its last predecessor)."""
-    preds = [p for p in ctx.preds[consumer] if ctx.can_trigger[p]]
-    return max(preds) if preds else max(consumer - 1, 0)
+def _just_in_time(ctx: _Context, consumer: int, producer: int) -> int:
+    """Synchronous swap-in: start when the consumer's other inputs are ready (its latest ancestor
+    fit to trigger); with none, right after the producer (the swap-in then follows the swap-out)."""
+    found = ctx.trigger(consumer, consumer - 1, producer)
+    return found if found is not None else producer
 
 
 def plan_tflms(ctx: _Context, budget_act: int, log: list[str], start_sync: int = 0) -> tuple[list[SimSwap], TflmsParams, SimResult]:

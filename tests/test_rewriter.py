@@ -1,0 +1,159 @@
+"""The emit pass: rewritten graphs import, keep swap nodes on the host, fit per Grappler, train
+bit-identically, and come out byte-identical every time."""
+
+import pytest
+
+from lmscli import api, grappler, loader, verify
+from lmscli.errors import GraphError, PlanError
+from lmscli.planner import TflmsParams, TuneOptions
+from lmscli.tfimport import tensorflow
+from tests.conftest import invoke
+
+CASES = [("cnn", 0.75), ("unet3d", 0.75), ("resnet50", 0.9)]
+
+
+def _plan(samples, name, share):
+    model = api.load(str(samples / f"{name}.meta"))
+    prepared = api.prepare(model, batch_size=4 if name == "unknown_batch" else None)
+    peak = api.analyze(prepared).peak_bytes
+    result = api.tune(prepared, api.make_device(gpu_mem=int(peak * share), reserve=0.0), check=False)
+    return model, prepared, result
+
+
+@pytest.mark.parametrize("name,share", CASES)
+def test_rewrite_imports_runs_identically_and_fits(samples, name, share, tmp_path):
+    model, prepared, result = _plan(samples, name, share)
+    assert result.plan.swaps
+    new_graph, report = api.rewrite(prepared, result.plan)
+    out = tmp_path / f"{name}.meta"
+    api.save(model, new_graph, str(out))
+
+    # It imports, and the swap nodes stay on the host after import.
+    tf = tensorflow()
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.train.import_meta_graph(str(out))
+    swap_ops = [op for op in graph.get_operations() if op.name.startswith("lms/")]
+    assert len(swap_ops) == report.swap_outs + report.swap_ins
+    assert all(op.device.endswith("CPU:0") for op in swap_ops)
+    assert all(not op.node_def.attr["_class"].list.s for op in swap_ops)
+    assert all(op.node_def.attr["_grappler_do_not_remove"].b for op in swap_ops)
+
+    # One training step on CPU: loss and every variable bit-identical.
+    reloaded = loader.load(str(out))
+    before = verify.run_steps(api.with_graph_def(model.meta_graph, prepared.graph_def), model.fetches, batch_size=4)
+    after = verify.run_steps(reloaded.meta_graph, model.fetches, batch_size=4)
+    assert verify.first_difference(before, after) is None
+    assert before.losses and before.variables
+    assert all(device.endswith("CPU:0") for device in after.placements.values())
+
+    # It fits the budget per Grappler (variables added).
+    estimate = grappler.estimate_peak(reloaded.meta_graph, model.fetches)
+    assert estimate.gpu_peak_bytes + prepared.schedule.resident_bytes <= result.budget
+
+
+@pytest.mark.parametrize("name", ["while_rnn", "cond_cnn", "unknown_batch", "mlp"])
+def test_control_flow_graphs_rewritten_identically(samples, name, tmp_path):
+    """v1 while loops, tf.cond, an unknown batch (fixed with --batch-size) and the MLP, rewritten
+    with TFLMS parameters that swap every distant tensor."""
+    model = api.load(str(samples / f"{name}.meta"))
+    prepared = api.prepare(model, batch_size=2 if name == "unknown_batch" else None)
+    model = api.Model(model.path, model.format, api.with_graph_def(model.meta_graph, prepared.graph_def),
+                      model.fetches, model.fetch_source)
+    options = TuneOptions(strategy="tflms", tflms=TflmsParams(2, 1, 0, 0))
+    result = api.tune(prepared, api.make_device(gpu_mem="16GiB"), options, check=False)
+    assert result.plan.swaps
+    new_graph, _ = api.rewrite(prepared, result.plan)
+    view = prepared.view
+    for swap in result.plan.swaps:
+        producer = swap.tensor.rsplit(":", 1)[0]
+        assert not view.in_loop(view.index[producer])
+        for group in swap.swap_ins:
+            trigger = view.index[group.trigger]
+            assert not view.in_loop(trigger) and not view.conditional(trigger)
+            assert all(not view.in_loop(view.index[c]) for c in group.consumers)
+    before = verify.run_steps(model.meta_graph, model.fetches, steps=2)
+    after = verify.run_steps(new_graph, model.fetches, steps=2)
+    assert verify.first_difference(before, after) is None
+
+
+def test_rewrite_is_byte_identical(samples, runner, tmp_path):
+    outputs = []
+    for k in range(2):
+        out = tmp_path / f"out{k}.meta"
+        result = invoke(runner, "rewrite", samples / "unet3d.meta", out, "--gpu-mem", "75%", "--reserve", "0", "-q")
+        assert result.exit_code == 0, result.stderr
+        outputs.append(out.read_bytes())
+    assert outputs[0] == outputs[1]
+
+
+def test_output_keeps_the_input_format(samples, runner, tmp_path):
+    for name, suffix in [("frozen_cnn.pb", ".pb"), ("frozen_cnn.pbtxt", ".pbtxt"), ("mlp.meta.txt", ".txt")]:
+        out = tmp_path / f"out{suffix}"
+        result = invoke(runner, "rewrite", samples / name, out, "--swapout-threshold", "1", "-q")
+        assert result.exit_code == 0, result.stderr
+        assert loader.load(str(out)).format == loader.load(str(samples / name)).format
+
+
+def test_refuses_rewritten_graphs_and_the_input(samples, runner, tmp_path):
+    out = tmp_path / "once.meta"
+    assert invoke(runner, "rewrite", samples / "cnn.meta", out, "--gpu-mem", "75%", "--reserve", "0", "-q").exit_code == 0
+    again = invoke(runner, "rewrite", out, tmp_path / "twice.meta", "--gpu-mem", "75%", "--reserve", "0")
+    assert again.exit_code == 1 and "already contains lms/" in again.stderr
+    forced = invoke(runner, "rewrite", out, tmp_path / "twice.meta", "--swapout-threshold", "1", "--force", "-q")
+    assert forced.exit_code == 0
+    same = invoke(runner, "rewrite", out, out, "--gpu-mem", "1GiB")
+    assert same.exit_code == 1 and "overwrite the input" in same.stderr
+
+
+def test_dry_run_writes_nothing(samples, runner, tmp_path):
+    out = tmp_path / "dry.meta"
+    result = invoke(runner, "rewrite", samples / "cnn.meta", out, "--gpu-mem", "75%", "--reserve", "0", "--dry-run",
+                    "--no-color")
+    assert result.exit_code == 0 and not out.exists()
+    assert "Added" in result.stdout and "swap-out operations" in result.stdout
+
+
+def test_summary_line_and_json(samples, runner, tmp_path):
+    result = invoke(runner, "rewrite", samples / "cnn.meta", tmp_path / "o.meta", "--gpu-mem", "75%", "--reserve", "0",
+                    "-q", "-v")
+    assert "[LMS] Added" in result.stderr and "swap-in operations" in result.stderr
+
+
+def test_serialization(samples, runner, tmp_path):
+    out = tmp_path / "serial.meta"
+    result = invoke(runner, "rewrite", samples / "cnn.meta", out, "--swapout-threshold", "100", "--serialize", "3:5,8",
+                    "--json")
+    assert result.exit_code == 0, result.stderr
+    import json
+
+    chains = json.loads(result.stdout)["plan"]["serialize"]
+    model = api.load(str(samples / "cnn.meta"))
+    prepared = api.prepare(model)
+    levels = dict(zip(prepared.schedule.names, prepared.schedule.levels))
+    within = [c for c in chains if len({levels[n] for n in c}) == 1]
+    assert {levels[c[0]] for c in within} <= {3, 4, 5, 8}
+    assert all(list(c) == sorted(c) for c in within)
+    serial = api.load(str(out))
+    before = verify.run_steps(model.meta_graph, model.fetches)
+    after = verify.run_steps(serial.meta_graph, model.fetches)
+    assert verify.first_difference(before, after) is None
+    by_size = invoke(runner, "rewrite", samples / "cnn.meta", tmp_path / "s2.meta", "--swapout-threshold", "100",
+                     "--serialize-by-size", "100KiB", "--json")
+    assert by_size.exit_code == 0 and json.loads(by_size.stdout)["plan"]["serialize"]
+
+
+def test_broken_plans_are_caught(samples):
+    model, prepared, result = _plan(samples, "cnn", 0.75)
+    swap = result.plan.swaps[0]
+    from dataclasses import replace
+
+    wrong = replace(swap, swap_ins=(replace(swap.swap_ins[0], consumers=("loss",)),))
+    with pytest.raises(PlanError, match="does not read"):
+        api.rewrite(prepared, replace(result.plan, swaps=(wrong,)))
+    # A trigger downstream of the consumer would close a cycle: the validation refuses it.
+    consumer = swap.swap_ins[0].consumers[0]
+    cyclic = replace(swap, swap_ins=(replace(swap.swap_ins[0], trigger=model.fetches[0]),))
+    with pytest.raises(GraphError, match="cycle"):
+        api.rewrite(prepared, replace(result.plan, swaps=(cyclic,)))
+    assert consumer
