@@ -7,6 +7,7 @@ inferred, batch size applied, execution schedule built); ``analyze()`` derives a
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import asdict, dataclass
 
 from lmscli.candidates import Filters, candidates
@@ -162,29 +163,47 @@ def largest_op(view: GraphView, nodes) -> OpInfo | None:
     return OpInfo(best[1], best[2], best[0]) if best else None
 
 
-def lower_bound(prepared: Prepared, swappable: set[int]) -> tuple[int, int | None]:
-    """No swap plan can go below: at some op, its own inputs and outputs plus every tensor that is
-    live across it and cannot be swapped, plus the resident variables and constants.
-    Returns (bytes, position of the binding op)."""
+def lower_bound(prepared: Prepared, swappable: set[int], baseline: SimResult | None = None) -> tuple[int, int | None]:
+    """No swap plan can go below this. At every instant of the step, these tensors are on the GPU:
+    the inputs and outputs of the ops running then (ops that take no time share an instant, as
+    in Grappler's accounting), and every live tensor that cannot be swapped; add everything
+    resident. Returns (bytes, position of an op at the binding instant)."""
     schedule = prepared.schedule
     n = len(schedule)
-    # Unswappable tensors alive while each op runs (producer..last consumer, inclusive).
-    pinned = [0] * (n + 1)
-    for t in schedule.tensors:
-        if t.id not in swappable:
-            last = t.consumers[-1] if t.consumers else t.producer
-            pinned[t.producer] += t.num_bytes
-            pinned[last + 1] -= t.num_bytes
-    own_swappable = [0] * n
+    if n == 0:
+        return schedule.resident_bytes, None
+    base = baseline or simulate(schedule)
+    starts, ends = base.starts, base.ends
+    times = sorted(set(starts))
+    index = {t: i for i, t in enumerate(times)}
+    pinned = [0] * (len(times) + 1)
     for t in schedule.tensors:
         if t.id in swappable:
-            for k in {t.producer, *t.consumers}:
-                own_swappable[k] += t.num_bytes
-    best, best_pos, running = 0, None, 0
+            continue
+        last = t.consumers[-1] if t.consumers else t.producer
+        lo = index[starts[t.producer]]
+        hi = bisect.bisect_right(times, ends[last]) - 1
+        pinned[lo] += t.num_bytes
+        pinned[hi + 1] -= t.num_bytes
+    running: dict[int, list[int]] = {}
     for k in range(n):
-        running += pinned[k]
-        if running + own_swappable[k] > best:
-            best, best_pos = running + own_swappable[k], k
+        running.setdefault(index[starts[k]], []).append(k)
+        if ends[k] in index and ends[k] != starts[k]:
+            running.setdefault(index[ends[k]], []).append(k)
+    size = {t.id: t.num_bytes for t in schedule.tensors}
+    produced: dict[int, list[int]] = {}
+    for t in schedule.tensors:
+        produced.setdefault(t.producer, []).append(t.id)
+    best, best_pos, level = 0, None, 0
+    for i in range(len(times)):
+        level += pinned[i]
+        touched = set()
+        for k in running.get(i, ()):
+            touched.update(tid for tid in schedule.inputs[k] if tid in swappable)
+            touched.update(tid for tid in produced.get(k, ()) if tid in swappable)
+        total = level + sum(size[tid] for tid in touched)
+        if total > best:
+            best, best_pos = total, running[i][0] if running.get(i) else None
     return best + schedule.resident_bytes, best_pos
 
 
@@ -200,7 +219,7 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
     else:
         param_bytes = sum(variable_bytes(view, i) for i in var_nodes if view.names[i] in trainable)
     cands = candidates(view, schedule, filters)
-    lb, lb_pos = lower_bound(prepared, set(cands))
+    lb, lb_pos = lower_bound(prepared, set(cands), result if baseline is None else None)
     unknown = []
     for i in active:
         for k, info in enumerate(view.outputs(i)):

@@ -179,46 +179,73 @@ def _gap_swap(ctx: _Context, cand: Candidate, p: int, result: SimResult,
     return _Choice(swap, lo, trig, t.num_bytes, stall)
 
 
+@dataclass
+class _Judged:
+    """A set of swaps simulated on the device's link and with instant transfers.
+
+    Grappler (TensorFlow's own estimate, our independent judge) treats transfers as instant, so
+    waiting on a swap-out buys no time there; a plan must fit under both timings.
+    """
+
+    result: SimResult  # on the device's link: timing, stalls, traffic
+    instant: SimResult  # transfers take no time
+    profile: np.ndarray  # per position, the worse of the two
+
+    @property
+    def peak(self) -> int:
+        return max(self.result.activation_peak_bytes, self.instant.activation_peak_bytes)
+
+
+def _judge(ctx: _Context, swaps) -> _Judged:
+    swaps = list(swaps)
+    result = ctx.simulate(swaps)
+    instant = simulate(ctx.schedule, swaps)
+    profile = np.maximum(np.array(result.memory_by_position, dtype=np.int64),
+                         np.array(instant.memory_by_position, dtype=np.int64))
+    return _Judged(result, instant, profile)
+
+
 def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]) -> tuple[list[SimSwap], SimResult]:
     chosen: dict[int, _Choice] = {}
-    result = baseline
-    profile = np.array(result.memory_by_position, dtype=np.int64)
+    judged = _Judged(baseline, baseline, np.array(baseline.memory_by_position, dtype=np.int64))
+    profile = judged.profile.copy()
     tried_positions: set[int] = set()
     for _round in range(10_000):
         excess = profile - budget_act
         if excess.max() <= 0:
-            result = ctx.simulate(c.swap for c in chosen.values())
-            if result.activation_peak_bytes <= budget_act:
+            judged = _judge(ctx, (c.swap for c in chosen.values()))
+            if judged.peak <= budget_act:
                 break
-            profile = np.array(result.memory_by_position, dtype=np.int64)
+            profile = judged.profile.copy()
             excess = profile - budget_act
             if excess.max() <= 0:  # the peak falls between positions: nudge the profile
-                profile[result.peak_position] = result.activation_peak_bytes
+                for r in (judged.result, judged.instant):
+                    profile[r.peak_position] = max(profile[r.peak_position], r.activation_peak_bytes)
                 excess = profile - budget_act
         # The worst point may be a run of ops at one instant: try its ops from the last one back
         # (ops that ran before p at the same instant count as "before").
         worst = excess.max()
         plateau = np.flatnonzero(excess == worst)[::-1][:64]
         clipped = np.clip(excess, 0, None)
-        d2h = sorted((_us(s), _us(e)) for d, _t, s, e in result.transfers if d == "out")
+        d2h = sorted((_us(s), _us(e)) for d, _t, s, e in judged.result.transfers if d == "out")
         best = None
         for p in (int(x) for x in plateau):
-            best = _best_choice(ctx, chosen, p, result, d2h, clipped)
+            best = _best_choice(ctx, chosen, p, judged, d2h, clipped)
             if best is not None:
                 break
         p = int(plateau[0])
         if best is None:
             if p in tried_positions or not chosen:
-                raise _Stuck(p, result)
+                raise _Stuck(p, judged.result)
             # Timing may have drifted: re-simulate with what we have and retry once.
             tried_positions.add(p)
-            result = ctx.simulate(c.swap for c in chosen.values())
-            profile = np.array(result.memory_by_position, dtype=np.int64)
+            judged = _judge(ctx, (c.swap for c in chosen.values()))
+            profile = judged.profile.copy()
             continue
         chosen[best.swap.tensor] = best
         profile[best.lo: best.hi + 1] -= best.size
     else:  # pragma: no cover - bounded loop
-        raise _Stuck(int(np.argmax(profile)), result)
+        raise _Stuck(int(np.argmax(profile)), judged.result)
 
     # Refinement: drop swaps the plan can do without, largest first.
     for tid in sorted(chosen, key=lambda t: (-chosen[t].size, t)):
@@ -226,30 +253,40 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
         trial = profile.copy()
         trial[c.lo: c.hi + 1] += c.size
         if trial.max() <= budget_act:
-            remaining = [x.swap for t2, x in chosen.items() if t2 != tid]
-            check = ctx.simulate(remaining)
-            if check.activation_peak_bytes <= budget_act:
+            check = _judge(ctx, (x.swap for t2, x in chosen.items() if t2 != tid))
+            if check.peak <= budget_act:
                 del chosen[tid]
-                profile = np.array(check.memory_by_position, dtype=np.int64)
-                result = check
+                profile = check.profile.copy()
+                judged = check
     log.append(f"[LMS] planned {len(chosen)} swap(s) in {_round + 1} step(s)")
-    return [c.swap for c in chosen.values()], result
+    return [c.swap for c in chosen.values()], judged.result
 
 
-def _best_choice(ctx: _Context, chosen: dict, p: int, result: SimResult, d2h, clipped) -> _Choice | None:
+def _best_choice(ctx: _Context, chosen: dict, p: int, judged: _Judged, d2h, clipped) -> _Choice | None:
     """The swap that removes the most excess across ``p`` (no-stall swaps first)."""
+    result = judged.result
     best, best_key = None, None
     for tid, cand in ctx.cands.items():
         if tid in chosen:
             continue
         choice = _gap_swap(ctx, cand, p, result, d2h)
-        if choice is None:
+        if choice is None or not _helps_instantly(ctx, choice.swap, p, judged.instant):
             continue
         covered = int(np.minimum(clipped[choice.lo: choice.hi + 1], choice.size).sum())
         key = (choice.stall == 0, covered, -choice.stall, -choice.size, -tid)
         if best_key is None or key > best_key:
             best, best_key = choice, key
     return best if best is not None else _late_free(ctx, chosen, p, result)
+
+
+def _helps_instantly(ctx: _Context, swap: SimSwap, p: int, instant: SimResult) -> bool:
+    """With instant transfers, is the tensor off the GPU while ``p`` runs? It is freed just after
+    its last near consumer (or producer) ends and comes back when the trigger ends."""
+    t = ctx.schedule.tensors[swap.tensor]
+    last_use = max((t.producer,) + swap.near)
+    freed = instant.ends[last_use]
+    back = instant.ends[swap.groups[0].trigger] if swap.groups else float("inf")
+    return instant.starts[p] > freed and instant.ends[p] < back
 
 
 def _us(seconds: float) -> int:
@@ -358,8 +395,8 @@ def plan_tflms(ctx: _Context, budget_act: int, log: list[str], start_sync: int =
 
     def fits(params: TflmsParams):
         swaps = tflms_swaps(ctx, params)
-        result = ctx.simulate(swaps)
-        return result.activation_peak_bytes <= budget_act, swaps, result
+        judged = _judge(ctx, swaps)
+        return judged.peak <= budget_act, swaps, judged.result
 
     best = None
     for sync in range(start_sync, 4):

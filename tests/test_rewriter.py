@@ -9,14 +9,15 @@ from lmscli.planner import TflmsParams, TuneOptions
 from lmscli.tfimport import tensorflow
 from tests.conftest import invoke
 
-CASES = [("cnn", 0.75), ("unet3d", 0.75), ("resnet50", 0.9)]
+CASES = [("cnn", 0.75), ("unet3d", 0.75), ("resnet50", "mid")]
 
 
 def _plan(samples, name, share):
     model = api.load(str(samples / f"{name}.meta"))
     prepared = api.prepare(model, batch_size=4 if name == "unknown_batch" else None)
-    peak = api.analyze(prepared).peak_bytes
-    result = api.tune(prepared, api.make_device(gpu_mem=int(peak * share), reserve=0.0), check=False)
+    facts = api.analyze(prepared)
+    budget = (facts.lower_bound_bytes + facts.peak_bytes) // 2 if share == "mid" else int(facts.peak_bytes * share)
+    result = api.tune(prepared, api.make_device(gpu_mem=budget, reserve=0.0), check=False)
     return model, prepared, result
 
 
