@@ -88,25 +88,49 @@ class _Context:
             and sched.ops[k] not in CONTROL_FLOW_OPS
             for k, node in enumerate(sched.nodes)
         ]
+        ids = sorted(self.cands)
+        self._cand_ids = np.array(ids, dtype=np.int64)
+        self._cand_first = np.array([sched.tensors[t].producer for t in ids], dtype=np.int64)
+        self._cand_last = np.array([sched.tensors[t].consumers[-1] for t in ids], dtype=np.int64)
+        self._build_lifting()
+
+    def live_candidates(self, p: int) -> list[int]:
+        """Candidate tensors produced before ``p`` and read after it."""
+        mask = (self._cand_first < p) & (self._cand_last > p)
+        return [int(x) for x in self._cand_ids[mask]]
 
     def trigger(self, consumer: int, latest: int, earliest: int) -> int | None:
-        """The latest ancestor of ``consumer`` at a position in [earliest, latest] fit to trigger a
-        swap-in (a GPU op outside loops and cond branches), or None. Ancestors are visited in
-        decreasing position, so the first fit one is the latest."""
-        heap = [-p for p in self.preds[consumer]]
-        heapq.heapify(heap)
-        seen = set(self.preds[consumer])
-        while heap:
-            p = -heapq.heappop(heap)
-            if p < earliest:
-                return None
-            if p <= latest and self.can_trigger[p]:
-                return p
-            for q in self.preds[p]:
-                if q not in seen and q >= earliest:
-                    seen.add(q)
-                    heapq.heappush(heap, -q)
-        return None
+        """A late ancestor of ``consumer`` at a position in [earliest, latest] fit to trigger a
+        swap-in (a GPU op outside loops and cond branches), or None.
+
+        Ancestors are followed along the chain of latest predecessors (in a training graph, the
+        backward pass itself), with binary lifting: O(log n) per query.
+        """
+        x = int(self._vpar[consumer])
+        if x < 0:
+            return None
+        if x > latest:
+            for level in reversed(self._up):
+                y = int(level[x])
+                if y >= 0 and y > latest:
+                    x = y
+            x = int(self._vpar[x])
+        return x if x >= earliest and x >= 0 else None
+
+    def _build_lifting(self) -> None:
+        n = len(self.schedule)
+        vpar = np.full(n, -1, dtype=np.int64)
+        for x in range(n):
+            if self.preds[x]:
+                m = self.preds[x][-1]
+                vpar[x] = m if self.can_trigger[m] else vpar[m]
+        self._vpar = vpar
+        up = [vpar]
+        while len(up) < max(1, n.bit_length()):
+            prev = up[-1]
+            nxt = np.where(prev >= 0, prev[np.maximum(prev, 0)], -1)
+            up.append(nxt)
+        self._up = up
 
     def simulate(self, swaps) -> SimResult:
         return simulate(self.schedule, list(swaps), self.device.link_bandwidth)
@@ -122,10 +146,22 @@ class _Choice:
     stall: int = 0  # predicted microseconds the consumer waits
 
 
+def _busy_blocks(transfers) -> list[tuple[int, int]]:
+    """The device-to-host stream's busy time as merged, sorted (start, end) blocks."""
+    blocks: list[list[int]] = []
+    for start, end in sorted((_us(s), _us(e)) for d, _t, s, e in transfers if d == "out"):
+        if blocks and start <= blocks[-1][1]:
+            blocks[-1][1] = max(blocks[-1][1], end)
+        else:
+            blocks.append([start, end])
+    return [(a, b) for a, b in blocks]
+
+
 def _out_start(busy: list[tuple[int, int]], ready: int, duration: int) -> int:
-    """Earliest start >= ready of a ``duration`` gap on a stream busy during ``busy`` intervals."""
+    """Earliest start >= ready of a ``duration`` gap on a stream busy during ``busy`` blocks."""
     t = ready
-    for s, e in busy:
+    first = max(bisect.bisect_right(busy, (ready, float("inf"))) - 1, 0)
+    for s, e in busy[first:]:
         if e <= t:
             continue
         if s >= t + duration:
@@ -179,6 +215,9 @@ def _gap_swap(ctx: _Context, cand: Candidate, p: int, result: SimResult,
     return _Choice(swap, lo, trig, t.num_bytes, stall)
 
 
+STALL_ROUNDS = 64  # greedy steps without a lower worst excess before giving up
+
+
 @dataclass
 class _Judged:
     """A set of swaps simulated on the device's link and with instant transfers.
@@ -210,6 +249,7 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
     judged = _Judged(baseline, baseline, np.array(baseline.memory_by_position, dtype=np.int64))
     profile = judged.profile.copy()
     tried_positions: set[int] = set()
+    best_worst, since = float("inf"), 0
     for _round in range(10_000):
         excess = profile - budget_act
         if excess.max() <= 0:
@@ -225,9 +265,15 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
         # The worst point may be a run of ops at one instant: try its ops from the last one back
         # (ops that ran before p at the same instant count as "before").
         worst = excess.max()
-        plateau = np.flatnonzero(excess == worst)[::-1][:64]
+        if worst < best_worst:
+            best_worst, since = worst, 0
+        else:
+            since += 1
+            if since > STALL_ROUNDS:  # no progress: more swaps of the same kind will not help
+                raise _Stuck(int(np.argmax(excess)), judged.result)
+        plateau = np.flatnonzero(excess == worst)[::-1][:8]
         clipped = np.clip(excess, 0, None)
-        d2h = sorted((_us(s), _us(e)) for d, _t, s, e in judged.result.transfers if d == "out")
+        d2h = _busy_blocks(judged.result.transfers)
         best = None
         for p in (int(x) for x in plateau):
             best = _best_choice(ctx, chosen, p, judged, d2h, clipped)
@@ -266,10 +312,10 @@ def _best_choice(ctx: _Context, chosen: dict, p: int, judged: _Judged, d2h, clip
     """The swap that removes the most excess across ``p`` (no-stall swaps first)."""
     result = judged.result
     best, best_key = None, None
-    for tid, cand in ctx.cands.items():
+    for tid in ctx.live_candidates(p):
         if tid in chosen:
             continue
-        choice = _gap_swap(ctx, cand, p, result, d2h)
+        choice = _gap_swap(ctx, ctx.cands[tid], p, result, d2h)
         if choice is None or not _helps_instantly(ctx, choice.swap, p, judged.instant):
             continue
         covered = int(np.minimum(clipped[choice.lo: choice.hi + 1], choice.size).sum())
