@@ -93,6 +93,7 @@ class _Context:
         self._cand_first = np.array([sched.tensors[t].producer for t in ids], dtype=np.int64)
         self._cand_last = np.array([sched.tensors[t].consumers[-1] for t in ids], dtype=np.int64)
         self._build_lifting()
+        self._memo: dict[tuple[int, int, int], int | None] = {}
 
     def live_candidates(self, p: int) -> list[int]:
         """Candidate tensors produced before ``p`` and read after it."""
@@ -100,12 +101,41 @@ class _Context:
         return [int(x) for x in self._cand_ids[mask]]
 
     def trigger(self, consumer: int, latest: int, earliest: int) -> int | None:
-        """A late ancestor of ``consumer`` at a position in [earliest, latest] fit to trigger a
+        """The latest ancestor of ``consumer`` at a position in [earliest, latest] fit to trigger a
         swap-in (a GPU op outside loops and cond branches), or None.
 
-        Ancestors are followed along the chain of latest predecessors (in a training graph, the
-        backward pass itself), with binary lifting: O(log n) per query.
+        Ancestors are visited in decreasing position (the first fit one is the latest) for up to
+        ``TRIGGER_VISITS`` nodes; past that, the chain of latest predecessors (in a training graph,
+        the backward pass itself) answers in O(log n) by binary lifting.
         """
+        key = (consumer, latest, earliest)
+        found = self._memo.get(key, -2)
+        if found == -2:
+            found = self._search(consumer, latest, earliest)
+            self._memo[key] = found
+        return found
+
+    def _search(self, consumer: int, latest: int, earliest: int) -> int | None:
+        heap = [-p for p in self.preds[consumer]]
+        heapq.heapify(heap)
+        seen = set(self.preds[consumer])
+        visits = 0
+        while heap:
+            p = -heapq.heappop(heap)
+            if p < earliest:
+                return None
+            if p <= latest and self.can_trigger[p]:
+                return p
+            visits += 1
+            if visits > TRIGGER_VISITS:
+                return self._lifted(consumer, latest, earliest)
+            for q in self.preds[p]:
+                if q not in seen and q >= earliest:
+                    seen.add(q)
+                    heapq.heappush(heap, -q)
+        return None
+
+    def _lifted(self, consumer: int, latest: int, earliest: int) -> int | None:
         x = int(self._vpar[consumer])
         if x < 0:
             return None
@@ -215,7 +245,9 @@ def _gap_swap(ctx: _Context, cand: Candidate, p: int, result: SimResult,
     return _Choice(swap, lo, trig, t.num_bytes, stall)
 
 
-STALL_ROUNDS = 64  # greedy steps without a lower worst excess before giving up
+TRIGGER_VISITS = 400  # ancestors visited exactly before falling back to the predecessor chain
+RESIMULATE_EVERY = 64  # greedy steps between full re-simulations
+STALL_JUDGEMENTS = 8  # full re-simulations without less total excess before giving up
 
 
 @dataclass
@@ -249,13 +281,21 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
     judged = _Judged(baseline, baseline, np.array(baseline.memory_by_position, dtype=np.int64))
     profile = judged.profile.copy()
     tried_positions: set[int] = set()
-    best_worst, since = float("inf"), 0
+    best_total, since = float("inf"), 0
+    max_rounds = 4 * len(ctx.cands) + 100
     for _round in range(10_000):
         excess = profile - budget_act
-        if excess.max() <= 0:
+        if excess.max() <= 0 or (_round and _round % RESIMULATE_EVERY == 0):
             judged = _judge(ctx, (c.swap for c in chosen.values()))
             if judged.peak <= budget_act:
                 break
+            total = int(np.clip(judged.profile - budget_act, 0, None).sum())
+            if total < best_total:
+                best_total, since = total, 0
+            else:
+                since += 1
+                if since > STALL_JUDGEMENTS:  # re-simulations keep undoing the progress: give up
+                    raise _Stuck(int(np.argmax(judged.profile)), judged.result)
             profile = judged.profile.copy()
             excess = profile - budget_act
             if excess.max() <= 0:  # the peak falls between positions: nudge the profile
@@ -265,13 +305,9 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
         # The worst point may be a run of ops at one instant: try its ops from the last one back
         # (ops that ran before p at the same instant count as "before").
         worst = excess.max()
-        if worst < best_worst:
-            best_worst, since = worst, 0
-        else:
-            since += 1
-            if since > STALL_ROUNDS:  # no progress: more swaps of the same kind will not help
-                raise _Stuck(int(np.argmax(excess)), judged.result)
-        plateau = np.flatnonzero(excess == worst)[::-1][:8]
+        if _round > max_rounds:
+            raise _Stuck(int(np.argmax(excess)), judged.result)
+        plateau = np.flatnonzero(excess == worst)[::-1][:64]
         clipped = np.clip(excess, 0, None)
         d2h = _busy_blocks(judged.result.transfers)
         best = None
