@@ -19,9 +19,10 @@ test: install
 	$(BIN)/python -m pytest -q
 
 demo: install
-	$(BIN)/lms analyze sample_graphs/resnet50.meta
-	$(BIN)/lms tune sample_graphs/resnet50.meta --gpu-mem 50% --link nvlink2
-	$(BIN)/lms rewrite sample_graphs/resnet50.meta out/resnet50.lms.meta --gpu-mem 50% --link nvlink2
+	mkdir -p out
+	$(BIN)/lms analyze sample_graphs/unet3d.meta
+	$(BIN)/lms rewrite sample_graphs/unet3d.meta out/unet3d.lms.meta --gpu-mem 75% --reserve 0 \
+		--plan-out out/unet3d.plan.json --plot out/unet3d.png
 
 samples: install
 	$(BIN)/python sample_graphs/generate.py

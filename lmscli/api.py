@@ -144,3 +144,17 @@ def with_link_predictions(prepared: Prepared, result: TuneResult) -> TuneResult:
                           "peak_bytes": sim.peak_bytes}
     predicted = dict(result.plan.predicted, per_link=per_link)
     return replace(result, plan=replace(result.plan, predicted=predicted))
+
+
+def replay(prepared: Prepared, plan: Plan) -> TuneResult:
+    """Simulate a given plan (e.g. one read with --plan) as a TuneResult, for reports and plots."""
+    from lmscli.device import Device
+    from lmscli.plan import to_sim
+    from lmscli.planner import predicted
+    from lmscli.simulator import simulate
+
+    device = Device.from_dict(plan.device) if plan.device else Device(gpu_mem=1 << 50)
+    baseline = simulate(prepared.schedule, (), device.link_bandwidth)
+    result = simulate(prepared.schedule, to_sim(plan.swaps, prepared.schedule), device.link_bandwidth)
+    filled = replace(plan, predicted=predicted(baseline, result, device.budget))
+    return TuneResult(filled, baseline, result, device.budget, bool(plan.swaps), ())

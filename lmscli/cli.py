@@ -225,14 +225,21 @@ def _log(lines, verbose: bool) -> None:
 @cli.command(context_settings=CONTEXT)
 @click.argument("model", type=click.Path())
 @model_options
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write a memory-over-time plot (.png or .svg).")
 @output_options
-def analyze(model, fmt, fetch, tag, batch_size, as_json, verbose, quiet, no_color):
+def analyze(model, fmt, fetch, tag, batch_size, plot, as_json, verbose, quiet, no_color):
     """Report a graph's size, levels, largest operation and peak memory without swapping."""
     from lmscli import api, report
+    from lmscli.simulator import simulate
 
     loaded = _load(model, fmt, fetch, tag)
     prepared = api.prepare(loaded, batch_size=batch_size)
-    result = api.analyze(prepared)
+    baseline = simulate(prepared.schedule)
+    result = api.analyze(prepared, baseline)
+    if plot:
+        from lmscli import plots
+
+        plots.memory_plot(prepared, baseline, plot)
     _log(report.analysis_log_lines(result), verbose)
     if as_json:
         _emit_json(result.to_dict())
@@ -298,9 +305,10 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
 @click.option("--force", is_flag=True, help="Rewrite a graph that already has lms/ swap nodes.")
 @click.option("--dry-run", is_flag=True, help="Report what would be added; write nothing.")
 @click.option("--plan-out", type=click.Path(dir_okay=False), help="Also write the applied plan as JSON.")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write a memory-over-time plot (.png or .svg).")
 @output_options
 def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, host_mem, link, plan_file,
-            serialize_levels, serialize_by_size, host_device, force, dry_run, plan_out, as_json, verbose, quiet,
+            serialize_levels, serialize_by_size, host_device, force, dry_run, plan_out, plot, as_json, verbose, quiet,
             no_color, no_grappler_check, **plan_kwargs):
     """Write MODEL with swap-out and swap-in operations to OUTPUT (same format)."""
     from dataclasses import replace
@@ -346,6 +354,10 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
         written = api.save(loaded, new_graph, output)
     if plan_out:
         api.atomic_write(plan_out, plan.to_json().encode("utf-8"))
+    if plot:
+        from lmscli import plots
+
+        plots.memory_plot(prepared, result if result is not None else api.replay(prepared, plan), plot)
     if result is not None:
         _log(report.tune_log_lines(result), verbose)
     _log([f"[LMS] {rep.summary()}"], verbose)

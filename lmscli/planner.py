@@ -310,13 +310,13 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
         plateau = np.flatnonzero(excess == worst)[::-1][:64]
         clipped = np.clip(excess, 0, None)
         d2h = _busy_blocks(judged.result.transfers)
-        best = None
+        ranked: list[_Choice] = []
         for p in (int(x) for x in plateau):
-            best = _best_choice(ctx, chosen, p, judged, d2h, clipped)
-            if best is not None:
+            ranked = _ranked_choices(ctx, chosen, p, judged, d2h, clipped)
+            if ranked:
                 break
-        p = int(plateau[0])
-        if best is None:
+        if not ranked:
+            p = int(plateau[0])
             if p in tried_positions or not chosen:
                 raise _Stuck(p, judged.result)
             # Timing may have drifted: re-simulate with what we have and retry once.
@@ -324,8 +324,14 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
             judged = _judge(ctx, (c.swap for c in chosen.values()))
             profile = judged.profile.copy()
             continue
-        chosen[best.swap.tensor] = best
-        profile[best.lo: best.hi + 1] -= best.size
+        # Take the ranked swaps at p until p is within budget (the ranking is not refreshed).
+        for best in ranked:
+            if best.swap.tensor in chosen and best.swap.waiters == chosen[best.swap.tensor].swap.waiters:
+                continue
+            chosen[best.swap.tensor] = best
+            profile[best.lo: best.hi + 1] -= best.size
+            if profile[p] <= budget_act:
+                break
     else:  # pragma: no cover - bounded loop
         raise _Stuck(int(np.argmax(profile)), judged.result)
 
@@ -344,10 +350,10 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
     return [c.swap for c in chosen.values()], judged.result
 
 
-def _best_choice(ctx: _Context, chosen: dict, p: int, judged: _Judged, d2h, clipped) -> _Choice | None:
-    """The swap that removes the most excess across ``p`` (no-stall swaps first)."""
+def _ranked_choices(ctx: _Context, chosen: dict, p: int, judged: _Judged, d2h, clipped) -> list[_Choice]:
+    """Swaps across ``p``, best first: no-stall swaps first, then the most excess removed."""
     result = judged.result
-    best, best_key = None, None
+    ranked = []
     for tid in ctx.live_candidates(p):
         if tid in chosen:
             continue
@@ -355,10 +361,12 @@ def _best_choice(ctx: _Context, chosen: dict, p: int, judged: _Judged, d2h, clip
         if choice is None or not _helps_instantly(ctx, choice.swap, p, judged.instant):
             continue
         covered = int(np.minimum(clipped[choice.lo: choice.hi + 1], choice.size).sum())
-        key = (choice.stall == 0, covered, -choice.stall, -choice.size, -tid)
-        if best_key is None or key > best_key:
-            best, best_key = choice, key
-    return best if best is not None else _late_free(ctx, chosen, p, result)
+        ranked.append(((choice.stall == 0, covered, -choice.stall, -choice.size, -tid), choice))
+    ranked.sort(key=lambda x: x[0], reverse=True)
+    if ranked:
+        return [c for _, c in ranked]
+    late = _late_free(ctx, chosen, p, result)
+    return [late] if late is not None else []
 
 
 def _helps_instantly(ctx: _Context, swap: SimSwap, p: int, instant: SimResult) -> bool:

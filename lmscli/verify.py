@@ -4,20 +4,40 @@ The graph is imported into a session with two logical CPUs: the model on ``/devi
 stand-in for the GPU), nodes explicitly placed on a CPU (the swap nodes) on ``/device:CPU:0``.
 Both runs use the same graph seed, the same random feeds for every placeholder and one
 inter-op thread, so any difference in loss or variables is a real difference.
+
+:func:`verify` puts it together for ``lms verify``: the identity proof, plus the memory each
+graph needs on the stand-in device, measured (:mod:`lmscli.measure`), simulated and estimated
+by Grappler.
 """
 
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from lmscli.errors import LmsError
+from lmscli.errors import InputError, LmsError
+from lmscli.graphview import parse_input
 from lmscli.tfimport import tensorflow
 
 GPU_STANDIN = "/device:CPU:1"
 HOST = "/device:CPU:0"
+EXIT_DIFFERENT = 4
+SCHEMA_VERSION = 1
+
+# Swap kernels of Grappler's memory optimizer: GPU-only (not even registered in the CPU build).
+# For a run they become Identity; for a measurement a copy in the right direction.
+GPU_COPY_OPS = {"_CopyFromGpuToHost": "out", "_CopyFromHostToGpu": "in"}
+COPY_OP = "DeepCopy"  # allocates its output and copies the bytes: bit-identical, and it really copies
+_COPYABLE = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
+             "uint32", "uint64", "bool", "complex64", "complex128")
+
+
+class DifferentResults(LmsError):
+    """The rewritten graph does not compute bit-identical results."""
+
+    exit_code = EXIT_DIFFERENT
 
 
 @dataclass(frozen=True)
@@ -25,6 +45,146 @@ class StepRun:
     losses: tuple  # one array per step (the fetched loss, if the graph has one)
     variables: dict  # name -> final value
     placements: dict  # node name -> device it ran on (for the lms/ nodes)
+
+
+@dataclass(frozen=True)
+class CpuGraph:
+    """A copy of a graph made runnable on the two logical CPUs."""
+
+    meta_graph: object
+    mapped: tuple[str, ...] = ()  # nodes whose GPU-only op became Identity
+    swap_outs: tuple[str, ...] = ()  # host nodes reading a stand-in tensor
+    swap_ins: tuple[str, ...] = ()  # host nodes feeding stand-in consumers
+    copies: tuple[str, ...] = ()  # swap nodes replaced by a copying op (measurement copies only)
+    notes: tuple[str, ...] = ()
+
+
+def _on_host(device: str) -> bool:
+    device = device.lower()
+    return "cpu" in device and "gpu" not in device
+
+
+def _dtype_name(node) -> str | None:
+    tensorflow()
+    from tensorflow.python.framework import dtypes
+
+    if "T" not in node.attr:
+        return None
+    try:
+        return dtypes.as_dtype(node.attr["T"].type).name
+    except TypeError:
+        return None
+
+
+def map_gpu_ops(meta_graph):
+    """A copy of ``meta_graph`` with Grappler's GPU-only swap kernels replaced by Identity (same device),
+    and the names of the nodes changed."""
+    meta = type(meta_graph)()
+    meta.CopyFrom(meta_graph)
+    mapped = []
+    for node in meta.graph_def.node:
+        if node.op in GPU_COPY_OPS:
+            _retype(node, "Identity")
+            mapped.append(node.name)
+    return meta, tuple(mapped)
+
+
+def _retype(node, op: str) -> None:
+    keep = {k: node.attr[k] for k in ("T", "_output_shapes") if k in node.attr}
+    node.op = op
+    node.ClearField("attr")
+    for key, value in keep.items():
+        node.attr[key].CopyFrom(value)
+
+
+def place_on_cpu(meta_graph, copies: bool = False) -> CpuGraph:
+    """Place every node on the stand-in, nodes explicitly on a CPU on the host, and map GPU-only ops.
+
+    With ``copies=True`` (measurement copies only) swap nodes become a copying op: a swap-out (a host
+    node reading a stand-in tensor) copies on the host, a swap-in (a host node feeding stand-in
+    consumers) copies onto the stand-in, as the host-to-device transfer of a real GPU would. On CPU
+    an Identity between the logical devices shares its buffer, so without copies nothing is saved.
+    """
+    meta = type(meta_graph)()
+    meta.CopyFrom(meta_graph)
+    nodes = meta.graph_def.node
+    roles: dict[str, str] = {}
+    for node in nodes:
+        if node.op in GPU_COPY_OPS:
+            roles[node.name] = GPU_COPY_OPS[node.op]
+        node.device = HOST if _on_host(node.device) else GPU_STANDIN
+    device = {node.name: node.device for node in nodes}
+    consumers: dict[str, list[str]] = {}
+    for node in nodes:
+        for text in node.input:
+            name, _, control = parse_input(text)
+            if not control:
+                consumers.setdefault(name, []).append(node.name)
+    for node in nodes:
+        if node.op != "Identity" or node.device != HOST or node.name in roles:
+            continue
+        data = [parse_input(t)[0] for t in node.input if not t.startswith("^")]
+        if data and device.get(data[0]) == GPU_STANDIN:
+            roles[node.name] = "out"
+        elif any(device.get(c) == GPU_STANDIN for c in consumers.get(node.name, ())):
+            roles[node.name] = "in"
+    mapped, copied, notes = [], [], []
+    for node in nodes:
+        role = roles.get(node.name)
+        if node.op in GPU_COPY_OPS:
+            _retype(node, "Identity")
+            mapped.append(node.name)
+        if not copies or role is None:
+            continue
+        dtype = _dtype_name(node)
+        if dtype not in _COPYABLE:
+            notes.append(f"{node.name}: {dtype or 'unknown'} tensors are not copied; measured as shared")
+            continue
+        _retype(node, COPY_OP)
+        node.device = HOST if role == "out" else GPU_STANDIN
+        copied.append(node.name)
+    _check_cpu_kernels(meta.graph_def)
+    return CpuGraph(meta, tuple(mapped), tuple(n for n, r in roles.items() if r == "out"),
+                    tuple(n for n, r in roles.items() if r == "in"), tuple(copied), tuple(notes))
+
+
+def _check_cpu_kernels(graph_def) -> None:
+    """Refuse, with one line, graphs whose ops cannot run on this CPU build of TensorFlow."""
+    tensorflow()
+    from tensorflow.python.framework import kernels, op_def_registry
+
+    functions = {f.signature.name for f in graph_def.library.function}
+    seen: dict[str, str] = {}
+    for node in graph_def.node:
+        seen.setdefault(node.op, node.name)
+    unregistered, no_kernel = [], []
+    for op, example in sorted(seen.items()):
+        if op in functions:
+            continue
+        if op_def_registry.get(op) is None:
+            unregistered.append(f"{op} (e.g. {example})")
+            continue
+        devices = {k.device_type for k in kernels.get_registered_kernels_for_op(op).kernel}
+        if not devices & {"CPU", "DEFAULT"}:
+            no_kernel.append(f"{op} (e.g. {example})")
+    if unregistered:
+        raise LmsError(f"cannot run the graph on CPU: op type {', '.join(unregistered)} is not registered in this "
+                       "TensorFlow build; verify with the TensorFlow (and custom op libraries) that made the graph")
+    if no_kernel:
+        raise LmsError(f"cannot run the graph on CPU: no CPU kernel for {', '.join(no_kernel)}; "
+                       "lms verify needs a graph that runs on CPU")
+
+
+def session_config(optimize: bool = True):
+    """Two logical CPUs, one inter-op and one intra-op thread, no soft placement."""
+    tensorflow()
+    from tensorflow.core.protobuf import config_pb2
+
+    config = config_pb2.ConfigProto(device_count={"CPU": 2}, inter_op_parallelism_threads=1,
+                                    intra_op_parallelism_threads=1, allow_soft_placement=False)
+    if not optimize:
+        config.graph_options.rewrite_options.disable_meta_optimizer = True
+    return config
 
 
 def _feed_value(name: str, shape, dtype, batch_size: int, step: int):
@@ -37,68 +197,252 @@ def _feed_value(name: str, shape, dtype, batch_size: int, step: int):
     return rng.standard_normal(size=dims).astype(dtype.as_numpy_dtype)
 
 
+def feeds(placeholders, batch_size: int, step: int) -> dict:
+    """The same random values for a placeholder name and step in every graph."""
+    feed = {}
+    for op in placeholders:
+        t = op.outputs[0]
+        if t.shape.rank is None:
+            continue
+        feed[t] = _feed_value(op.name, t.shape.as_list(), t.dtype, batch_size, step)
+    return feed
+
+
+@dataclass
+class Imported:
+    """A placed graph imported into a fresh ``tf.Graph`` with graph seed 0."""
+
+    graph: object
+    init: object
+    variables: list
+    targets: list
+    loss: object
+    placeholders: list
+
+
+def import_graph(meta, fetches, loss: str | None = None) -> Imported:
+    tf = tensorflow()
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(0)
+        tf.compat.v1.train.import_meta_graph(meta, clear_devices=False)
+        init = tf.compat.v1.global_variables_initializer()
+        variables = sorted(tf.compat.v1.global_variables(), key=lambda v: v.name)
+        try:
+            targets = [graph.get_operation_by_name(f) for f in fetches]
+        except (KeyError, ValueError) as exc:
+            raise InputError(f"a fetch is not in the graph: {exc}") from None
+        loss_tensor = None
+        if loss:
+            try:
+                loss_tensor = graph.get_tensor_by_name(loss)
+            except (KeyError, ValueError):
+                loss_tensor = None
+        placeholders = [op for op in graph.get_operations() if op.type == "Placeholder"]
+    return Imported(graph, init, variables, targets, loss_tensor, placeholders)
+
+
+def failed_run(exc: Exception) -> LmsError:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return LmsError(f"the graph failed to run on CPU: {text}")
+
+
 def run_steps(meta_graph, fetches, steps: int = 1, batch_size: int = 2, loss: str | None = "loss:0") -> StepRun:
     """Import ``meta_graph`` and run ``steps`` training steps of ``fetches`` on CPU."""
     tf = tensorflow()
-    from tensorflow.core.protobuf import config_pb2
-
-    graph = tf.Graph()
-    config = config_pb2.ConfigProto(device_count={"CPU": 2}, inter_op_parallelism_threads=1,
-                                    intra_op_parallelism_threads=1, allow_soft_placement=False)
     try:
-        with graph.as_default():
-            tf.compat.v1.set_random_seed(0)
-            meta = type(meta_graph)()
-            meta.CopyFrom(meta_graph)
-            for node in meta.graph_def.node:
-                device = node.device.lower()
-                node.device = HOST if ("cpu" in device and "gpu" not in device) else GPU_STANDIN
-            tf.compat.v1.train.import_meta_graph(meta, clear_devices=False)
-            init = tf.compat.v1.global_variables_initializer()
-            variables = sorted(tf.compat.v1.global_variables(), key=lambda v: v.name)
-            targets = [graph.get_operation_by_name(f) for f in fetches]
-            loss_tensor = None
-            if loss:
-                try:
-                    loss_tensor = graph.get_tensor_by_name(loss)
-                except (KeyError, ValueError):
-                    loss_tensor = None
-            placeholders = [op for op in graph.get_operations() if op.type == "Placeholder"]
-        with tf.compat.v1.Session(graph=graph, config=config) as sess:
-            sess.run(init)
+        meta = place_on_cpu(meta_graph).meta_graph
+        g = import_graph(meta, fetches, loss)
+        with tf.compat.v1.Session(graph=g.graph, config=session_config()) as sess:
+            sess.run(g.init)
             losses = []
             for step in range(steps):
-                feed = {}
-                for op in placeholders:
-                    t = op.outputs[0]
-                    if t.shape.rank is None:
-                        continue
-                    feed[t] = _feed_value(op.name, t.shape.as_list(), t.dtype, batch_size, step)
-                out = sess.run({"train": targets, "loss": loss_tensor} if loss_tensor is not None
-                               else {"train": targets}, feed_dict=feed)
-                if loss_tensor is not None:
+                fetch = {"train": g.targets}
+                if g.loss is not None:
+                    fetch["loss"] = g.loss
+                out = sess.run(fetch, feed_dict=feeds(g.placeholders, batch_size, step))
+                if g.loss is not None:
                     losses.append(np.asarray(out["loss"]))
-            values = dict(zip((v.name for v in variables), sess.run(variables)))
-        placements = {op.name: op.device for op in graph.get_operations() if op.name.startswith("lms/")}
+            values = dict(zip((v.name for v in g.variables), sess.run(g.variables)))
+        placements = {op.name: op.device for op in g.graph.get_operations() if op.name.startswith("lms/")}
     except LmsError:
         raise
     except Exception as exc:
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise LmsError(f"the graph failed to run on CPU: {text}") from None
+        raise failed_run(exc) from None
     return StepRun(tuple(losses), values, placements)
+
+
+@dataclass(frozen=True)
+class Difference:
+    """What differs first between two runs."""
+
+    loss_step: int | None  # first step whose loss differs
+    variable: str | None  # first variable (by name) whose final value differs
+    max_abs_diff: float | None  # of that variable
+    message: str
+
+
+def compare(a: StepRun, b: StepRun) -> Difference | None:
+    """None when both runs are bit-identical; else the first differing loss and variable."""
+    if len(a.losses) != len(b.losses):
+        return Difference(None, None, None, "different number of losses")
+    if sorted(a.variables) != sorted(b.variables):
+        only = sorted(set(a.variables) ^ set(b.variables))
+        return Difference(None, None, None, f"different variables ({', '.join(only[:3])})")
+    loss_step = next((i for i, (x, y) in enumerate(zip(a.losses, b.losses)) if x.tobytes() != y.tobytes()), None)
+    variable = max_diff = None
+    for name in sorted(a.variables):
+        x, y = a.variables[name], b.variables[name]
+        if x.shape != y.shape or x.dtype != y.dtype:
+            variable = name
+            break
+        if x.tobytes() != y.tobytes():
+            variable = name
+            if x.dtype.kind in "fciub":
+                max_diff = float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64))))
+            break
+    if loss_step is None and variable is None:
+        return None
+    parts = []
+    if loss_step is not None:
+        parts.append(f"loss at step {loss_step}: {a.losses[loss_step]!r} != {b.losses[loss_step]!r}")
+    if variable is not None:
+        text = f"variable {variable}"
+        if max_diff is not None:
+            text += f" (max |difference| {max_diff:.3g})"
+        parts.append(text)
+    return Difference(loss_step, variable, max_diff, "; ".join(parts))
 
 
 def first_difference(a: StepRun, b: StepRun) -> str | None:
     """None when both runs are bit-identical; else what differs first."""
-    for step, (x, y) in enumerate(zip(a.losses, b.losses)):
-        if x.tobytes() != y.tobytes():
-            return f"loss at step {step}: {x!r} != {y!r}"
-    if len(a.losses) != len(b.losses):
-        return "different number of losses"
-    if sorted(a.variables) != sorted(b.variables):
-        return "different variables"
-    for name in sorted(a.variables):
-        x, y = a.variables[name], b.variables[name]
-        if x.shape != y.shape or x.tobytes() != y.tobytes():
-            return f"variable {name}"
+    diff = compare(a, b)
+    return None if diff is None else diff.message
+
+
+def default_loss(meta_graph) -> str | None:
+    """``loss:0`` if the graph has it, else the first tensor of the ``losses`` collection."""
+    names = {node.name for node in meta_graph.graph_def.node}
+    if "loss" in names:
+        return "loss:0"
+    collection = meta_graph.collection_def.get("losses") if "losses" in meta_graph.collection_def else None
+    if collection is not None and collection.node_list.value:
+        return collection.node_list.value[0]
     return None
+
+
+# ---------------------------------------------------------------- lms verify
+@dataclass(frozen=True)
+class GraphFigures:
+    """Peak memory of one graph on the stand-in device: measured, simulated and Grappler's."""
+
+    measured: object | None  # lmscli.measure.MeasuredMemory, None when not measured
+    simulated_peak_bytes: int | None
+    grappler_peak_bytes: int | None  # Grappler's tensor peak + variable bytes
+    swap_nodes: int
+
+    def to_dict(self) -> dict:
+        m = self.measured
+        return {"measured_peak_bytes": m.peak_bytes if m else None,
+                "measured_tensor_peak_bytes": m.tensor_peak_bytes if m else None,
+                "measured_resident_bytes": m.resident_bytes if m else None,
+                "measured_peak_node": m.peak_node if m else None,
+                "simulated_peak_bytes": self.simulated_peak_bytes,
+                "grappler_peak_bytes": self.grappler_peak_bytes,
+                "swap_nodes": self.swap_nodes}
+
+
+@dataclass(frozen=True)
+class Verification:
+    identical: bool
+    difference: Difference | None
+    steps: int
+    batch_size: int
+    loss: str | None
+    variables: int
+    fetches: tuple[str, ...]
+    original: GraphFigures
+    rewritten: GraphFigures
+    notes: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict:
+        return {"schema": "lms.verify", "version": SCHEMA_VERSION, "identical": self.identical,
+                "first_difference": self.difference.message if self.difference else None,
+                "first_different_variable": self.difference.variable if self.difference else None,
+                "steps": self.steps, "batch_size": self.batch_size, "loss": self.loss,
+                "variables": self.variables, "fetches": list(self.fetches),
+                "original": self.original.to_dict(), "rewritten": self.rewritten.to_dict(),
+                "notes": list(self.notes)}
+
+
+def _unknown_placeholders(graph_def) -> list[str]:
+    out = []
+    for node in graph_def.node:
+        if node.op != "Placeholder":
+            continue
+        shape = node.attr["shape"].shape if "shape" in node.attr else None
+        if shape is None or shape.unknown_rank or any(d.size < 0 for d in shape.dim):
+            out.append(node.name)
+    return out
+
+
+def _figures(model, fetches, batch_size, measure: bool, notes: list, label: str):
+    """(meta graph to run, GraphFigures) for a loaded model, with the step running ``fetches``."""
+    from lmscli import api, grappler
+    from lmscli.simulator import simulate
+
+    meta, mapped = map_gpu_ops(model.meta_graph)
+    if mapped:
+        ops = sorted({n.op for n in model.graph_def.node if n.op in GPU_COPY_OPS})
+        notes.append(f"{label}: {len(mapped)} GPU-only copy ops ({', '.join(ops)}) run as Identity")
+    model = api.Model(model.path, model.format, meta, tuple(fetches), model.fetch_source, list(model.notes))
+    prepared = api.prepare(model, batch_size=batch_size)
+    meta = api.with_graph_def(model.meta_graph, prepared.graph_def)
+    unknown = _unknown_placeholders(prepared.graph_def)
+    if unknown:
+        raise InputError(f"{model.path}: placeholder {unknown[0]} has an unknown dimension; pass --batch-size N")
+    simulated = simulate(prepared.schedule).peak_bytes
+    try:
+        estimate = grappler.estimate_peak(meta, model.fetches)
+        grappler_peak = estimate.gpu_peak_bytes + prepared.schedule.variable_bytes
+    except LmsError as exc:
+        notes.append(f"{label}: {exc}")
+        grappler_peak = None
+    placed = place_on_cpu(meta)
+    measured = None
+    if measure:
+        from lmscli.measure import measure_peak
+
+        measured = measure_peak(meta, model.fetches, batch_size or 1)
+        notes.extend(f"{label}: {n}" for n in measured.notes)
+    swaps = len(placed.swap_outs) + len(placed.swap_ins)
+    return meta, GraphFigures(measured, simulated, grappler_peak, swaps)
+
+
+def verify(original, rewritten, steps: int = 2, batch_size: int | None = None, measure: bool = True,
+           loss: str | None = None) -> Verification:
+    """Prove ``rewritten`` (a loaded Model) computes bit-identically what ``original`` does, and measure both.
+
+    Both graphs run ``steps`` training steps of the original's fetches with the same seeds and feeds;
+    the loss (``loss`` or :func:`default_loss`) and every variable are compared bit for bit.
+    """
+    if steps < 1:
+        raise InputError("--steps must be at least 1")
+    notes: list[str] = []
+    fetches = tuple(original.fetches)
+    missing = [f for f in fetches if f not in {node.name for node in rewritten.graph_def.node}]
+    if missing:
+        raise InputError(f"{rewritten.path}: fetch {missing[0]!r} of the original is not in the rewritten graph; "
+                         "pass --fetch NAME")
+    meta_a, figures_a = _figures(original, fetches, batch_size, measure, notes, "original")
+    meta_b, figures_b = _figures(rewritten, fetches, batch_size, measure, notes, "rewritten")
+    loss = loss or default_loss(meta_a)
+    run_batch = batch_size or 1
+    a = run_steps(meta_a, fetches, steps=steps, batch_size=run_batch, loss=loss)
+    b = run_steps(meta_b, fetches, steps=steps, batch_size=run_batch, loss=loss)
+    if loss is not None and not a.losses:
+        notes.append(f"{loss} is not in the graph; compared variables only")
+        loss = None
+    diff = compare(a, b)
+    return Verification(diff is None, diff, steps, run_batch, loss, len(a.variables), fetches,
+                        figures_a, figures_b, tuple(notes))
