@@ -109,18 +109,22 @@ def measure_peak(meta_graph, fetches, batch_size: int = 1, warmup: int = 1, opti
         g = verify.import_graph(placed.meta_graph, fetches)
         options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
         with tf.compat.v1.Session(graph=g.graph, config=verify.session_config(optimize)) as sess:
-            init_meta = tf.compat.v1.RunMetadata()
-            sess.run(g.init, options=options, run_metadata=init_meta)
+            before = []  # what ran before the measured step: initializer, warm-up steps
+            before.append(tf.compat.v1.RunMetadata())
+            sess.run(g.init, options=options, run_metadata=before[-1])
             feed = verify.feeds(g.placeholders, batch_size, 0)
             for _ in range(warmup):
-                sess.run(g.targets, feed_dict=feed)
+                before.append(tf.compat.v1.RunMetadata())
+                sess.run(g.targets, feed_dict=feed, options=options, run_metadata=before[-1])
             step_meta = tf.compat.v1.RunMetadata()
             sess.run(g.targets, feed_dict=feed, options=options, run_metadata=step_meta)
     except LmsError:
         raise
     except Exception as exc:
         raise verify.failed_run(exc) from None
-    resident = sum(b for _, b, _ in _records(init_meta.step_stats, STANDIN_SUFFIX))
+    # Resident: what the runs before the step left allocated on the stand-in (variables; slots that
+    # start as a shared constant get their own buffer at their first update).
+    resident = sum(b for md in before for _, b, _ in _records(md.step_stats, STANDIN_SUFFIX))
     events = _records(step_meta.step_stats, STANDIN_SUFFIX)
     if not events:
         raise LmsError("TensorFlow recorded no allocations for the step; cannot measure its memory")

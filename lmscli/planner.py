@@ -267,10 +267,12 @@ class _Judged:
         return max(self.result.activation_peak_bytes, self.instant.activation_peak_bytes)
 
 
-def _judge(ctx: _Context, swaps) -> _Judged:
+def _judge(ctx: _Context, swaps, detail: bool = True) -> _Judged:
     swaps = list(swaps)
-    result = ctx.simulate(swaps)
-    instant = simulate(ctx.schedule, swaps)
+    result = simulate(ctx.schedule, swaps, ctx.device.link_bandwidth, detail)
+    instant = simulate(ctx.schedule, swaps, detail=detail)
+    if not detail:
+        return _Judged(result, instant, np.zeros(0, dtype=np.int64))
     profile = np.maximum(np.array(result.memory_by_position, dtype=np.int64),
                          np.array(instant.memory_by_position, dtype=np.int64))
     return _Judged(result, instant, profile)
@@ -485,7 +487,7 @@ def plan_tflms(ctx: _Context, budget_act: int, log: list[str], start_sync: int =
 
     def fits(params: TflmsParams):
         swaps = tflms_swaps(ctx, params)
-        judged = _judge(ctx, swaps)
+        judged = _judge(ctx, swaps, detail=False)
         return judged.peak <= budget_act, swaps, judged.result
 
     best = None
@@ -523,8 +525,8 @@ def plan_tflms(ctx: _Context, budget_act: int, log: list[str], start_sync: int =
         log.append(f"[LMS] [Simulator] Found a parameter set: {best[0].line()}")
     else:
         search(lambda v: TflmsParams(p2.swapout_threshold, p2.swapin_ahead, v, p2.sync_mode), 1, max_level - 1)
-    params, swaps, result = best
-    return swaps, params, result
+    params, swaps, _summary = best
+    return swaps, params, ctx.simulate(swaps)
 
 
 # ---------------------------------------------------------------------------- entry point

@@ -77,8 +77,11 @@ def transfer_us(num_bytes: int, bandwidth: float) -> int:
     return int(math.ceil(num_bytes / bandwidth * 1e6))
 
 
-def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf) -> SimResult:
-    """Simulate one step of ``schedule`` with ``swaps`` (a sequence of :class:`SimSwap`)."""
+def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, detail: bool = True) -> SimResult:
+    """Simulate one step of ``schedule`` with ``swaps`` (a sequence of :class:`SimSwap`).
+
+    ``detail=False`` computes the peaks, traffic and times only (no curves, no per-position
+    memory, no live set): what a search needs to decide fit or no fit."""
     n = len(schedule)
     tensors = schedule.tensors
     swap_of = {s.tensor: s for s in swaps}
@@ -131,46 +134,54 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf) -> 
             records.append(("in", tid, s, in_end[(tid, g)]))
     step_time = max([clock, d2h_free, h2d_free])
 
-    # Memory events: (time, phase, delta, kind, id); phase 0 = allocation, 1 = free.
+    # Memory events: (time, phase, kind, id, delta); phase 0 = allocation, 1 = free; kind 0 is a
+    # swap-in buffer, 1 a tensor. Plain tuples sort fastest.
     events = []
     host_events = []
     for t in tensors:
         p = t.producer
         swap = swap_of.get(t.id)
-        events.append((start[p], 0, t.num_bytes, "tensor", t.id))
+        events.append((start[p], 0, 1, t.id, t.num_bytes))
         if swap is None:
             last = t.consumers[-1] if t.consumers else p
-            events.append((end[last], 1, -t.num_bytes, "tensor", t.id))
+            events.append((end[last], 1, 1, t.id, -t.num_bytes))
             continue
         free_at = max([out_end[t.id]] + [end[c] for c in swap.near])
-        events.append((free_at, 1, -t.num_bytes, "tensor", t.id))
+        events.append((free_at, 1, 1, t.id, -t.num_bytes))
         host_events.append((out_start[t.id], 0, t.num_bytes))
         host_free = out_end[t.id]
         for g, group in enumerate(swap.groups):
-            events.append((in_start[(t.id, g)], 0, t.num_bytes, "swapin", t.id))
-            events.append((end[group.consumers[-1]], 1, -t.num_bytes, "swapin", t.id))
+            events.append((in_start[(t.id, g)], 0, 0, t.id, t.num_bytes))
+            events.append((end[group.consumers[-1]], 1, 0, t.id, -t.num_bytes))
             host_free = max(host_free, in_end[(t.id, g)])
         host_events.append((host_free, 1, -t.num_bytes))
-    events.sort(key=lambda e: (e[0], e[1], e[3], e[4]))
+    events.sort()
 
     live = peak = 0
     peak_index = -1
     curve = []
     by_time: dict[int, int] = {}  # highest live bytes seen at each event time
-    for idx, (time, _phase, delta, _kind, _tid) in enumerate(events):
-        live += delta
-        if delta > 0 and live > peak:
-            peak, peak_index = live, idx
-        if live > by_time.get(time, -1):
-            by_time[time] = live
-        curve.append((time, live))
-    by_position = _by_position(start, end, events, by_time)
+    if detail:
+        for idx, (time, _phase, _kind, _tid, delta) in enumerate(events):
+            live += delta
+            if delta > 0 and live > peak:
+                peak, peak_index = live, idx
+            if live > by_time.get(time, -1):
+                by_time[time] = live
+            curve.append((time, live))
+    else:
+        for idx, event in enumerate(events):
+            live += event[4]
+            if live > peak:
+                peak, peak_index = live, idx
+    by_position = _by_position(start, end, events, by_time) if detail else ()
     live_set: dict[tuple[str, int], int] = {}
-    for _time, _phase, delta, kind, tid in events[: peak_index + 1]:
+    kinds = ("swapin", "tensor")
+    for _time, _phase, kind, tid, delta in (events[: peak_index + 1] if detail else ()):
         if delta > 0:
-            live_set[(kind, tid)] = delta
+            live_set[(kinds[kind], tid)] = delta
         else:
-            live_set.pop((kind, tid), None)
+            live_set.pop((kinds[kind], tid), None)
     live_at_peak = tuple(sorted(((k, t, b) for (k, t), b in live_set.items()), key=lambda x: (-x[2], x[1], x[0])))
     peak_time = events[peak_index][0] if peak_index >= 0 else 0
     peak_position = bisect.bisect_right(start, peak_time) - 1 if n else 0
@@ -218,7 +229,7 @@ def _by_position(start, end, events, by_time) -> tuple[int, ...]:
     j = 0
     for time in times:
         while j < len(events) and events[j][0] == time:
-            live += events[j][2]
+            live += events[j][4]
             j += 1
         level_after[time] = live
     out = [0] * n
