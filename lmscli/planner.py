@@ -93,7 +93,7 @@ class _Context:
         self._cand_first = np.array([sched.tensors[t].producer for t in ids], dtype=np.int64)
         self._cand_last = np.array([sched.tensors[t].consumers[-1] for t in ids], dtype=np.int64)
         self._build_lifting()
-        self._memo: dict[tuple[int, int, int], int | None] = {}
+        self._memo: dict[tuple, int | None] = {}
 
     def live_candidates(self, p: int) -> list[int]:
         """Candidate tensors produced before ``p`` and read after it."""
@@ -245,6 +245,7 @@ def _gap_swap(ctx: _Context, cand: Candidate, p: int, result: SimResult,
     return _Choice(swap, lo, trig, t.num_bytes, stall)
 
 
+TFLMS_SEARCH_MAX_OPS = 20_000  # above this, the default strategy does not also run TFLMS's search
 TRIGGER_VISITS = 400  # ancestors visited exactly before falling back to the predecessor chain
 RESIMULATE_EVERY = 64  # greedy steps between full re-simulations
 STALL_JUDGEMENTS = 8  # full re-simulations without less total excess before giving up
@@ -456,21 +457,36 @@ def _tflms_trigger(ctx: _Context, consumer: int, producer: int, params: TflmsPar
         return _just_in_time(ctx, consumer, producer)
     top = levels[consumer] - params.swapin_ahead - 1
     bottom = max(producer_level + 1, top - 10)
-    # Ancestors in decreasing position; take the first whose level is in [bottom, top].
+    key = ("tflms", consumer, top, bottom)
+    found = ctx._memo.get(key, -2)
+    if found == -2:
+        found = _level_search(ctx, consumer, top, bottom)
+        ctx._memo[key] = found
+    return found if found is not None else _just_in_time(ctx, consumer, producer)
+
+
+def _level_search(ctx: _Context, consumer: int, top: int, bottom: int) -> int | None:
+    """Ancestors in decreasing position; the first fit one whose level is in [bottom, top]
+    (at most TRIGGER_VISITS visits; past that, TFLMS too would fall back to a synchronous swap-in)."""
+    levels = ctx.schedule.levels
     heap = [-p for p in ctx.preds[consumer]]
     heapq.heapify(heap)
     seen = set(ctx.preds[consumer])
+    visits = 0
     while heap:
         p = -heapq.heappop(heap)
         if levels[p] < bottom:
             continue
         if levels[p] <= top and ctx.can_trigger[p]:
             return p
+        visits += 1
+        if visits > TRIGGER_VISITS:
+            return None
         for q in ctx.preds[p]:
             if q not in seen:
                 seen.add(q)
                 heapq.heappush(heap, -q)
-    return _just_in_time(ctx, consumer, producer)
+    return None
 
 
 def _just_in_time(ctx: _Context, consumer: int, producer: int) -> int:
@@ -587,11 +603,10 @@ def _best_plan(ctx: _Context, budget_act: int, baseline: SimResult, log: list[st
     except _Stuck as stuck:
         stuck_at = stuck
         log.append(f"[LMS] greedy planning stuck at {ctx.schedule.names[stuck.position]}")
-    try:
-        swaps, chosen, result = plan_tflms(ctx, budget_act, [], options.sync_mode)
-        found.append((result.swap_out_bytes, result.step_time, 1, swaps, result, {"tflms_search": chosen.__dict__}))
-    except _Stuck as stuck:
-        stuck_at = stuck_at or stuck
+    if found and len(ctx.schedule) > TFLMS_SEARCH_MAX_OPS:
+        log.append(f"[LMS] {len(ctx.schedule)} ops: skipping the TFLMS-style second candidate")
+    else:
+        _tflms_candidate(ctx, budget_act, options, found)
     if not found:
         raise NoFitError(_stuck_message(ctx, stuck_at, "lms", budget_act, lb))
     found.sort(key=lambda f: f[:3])
@@ -599,6 +614,14 @@ def _best_plan(ctx: _Context, budget_act: int, baseline: SimResult, log: list[st
     if origin == 1:
         log.append("[LMS] TFLMS-style parameters swap fewer bytes here than the greedy plan; using them")
     return swaps, result, params
+
+
+def _tflms_candidate(ctx: _Context, budget_act: int, options: TuneOptions, found: list) -> None:
+    try:
+        swaps, chosen, result = plan_tflms(ctx, budget_act, [], options.sync_mode)
+        found.append((result.swap_out_bytes, result.step_time, 1, swaps, result, {"tflms_search": chosen.__dict__}))
+    except _Stuck:
+        pass
 
 
 def _stuck_message(ctx: _Context, stuck: _Stuck, strategy: str, budget_act: int, lb: int) -> str:
