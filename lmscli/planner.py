@@ -116,21 +116,27 @@ class _Context:
         return found
 
     def _search(self, consumer: int, latest: int, earliest: int) -> int | None:
-        heap = [-p for p in self.preds[consumer]]
+        found = self.walk_ancestors(consumer, keep=lambda p: p >= earliest,
+                                    accept=lambda p: p <= latest and self.can_trigger[p])
+        return self._lifted(consumer, latest, earliest) if found is CAPPED else found
+
+    def walk_ancestors(self, consumer: int, keep, accept):
+        """Visit the ancestors of ``consumer`` that ``keep`` admits, in decreasing position, and
+        return the first that ``accept`` takes; None if there is none; CAPPED after
+        TRIGGER_VISITS visits. Ancestors are reached only through kept nodes."""
+        heap = [-p for p in self.preds[consumer] if keep(p)]
         heapq.heapify(heap)
         seen = set(self.preds[consumer])
         visits = 0
         while heap:
             p = -heapq.heappop(heap)
-            if p < earliest:
-                return None
-            if p <= latest and self.can_trigger[p]:
+            if accept(p):
                 return p
             visits += 1
             if visits > TRIGGER_VISITS:
-                return self._lifted(consumer, latest, earliest)
+                return CAPPED
             for q in self.preds[p]:
-                if q not in seen and q >= earliest:
+                if q not in seen and keep(q):
                     seen.add(q)
                     heapq.heappush(heap, -q)
         return None
@@ -245,6 +251,7 @@ def _gap_swap(ctx: _Context, cand: Candidate, p: int, result: SimResult,
     return _Choice(swap, lo, trig, t.num_bytes, stall)
 
 
+CAPPED = object()  # an ancestor search that gave up
 TFLMS_SEARCH_MAX_OPS = 20_000  # above this, the default strategy does not also run TFLMS's search
 TRIGGER_VISITS = 400  # ancestors visited exactly before falling back to the predecessor chain
 RESIMULATE_EVERY = 64  # greedy steps between full re-simulations
@@ -466,27 +473,12 @@ def _tflms_trigger(ctx: _Context, consumer: int, producer: int, params: TflmsPar
 
 
 def _level_search(ctx: _Context, consumer: int, top: int, bottom: int) -> int | None:
-    """Ancestors in decreasing position; the first fit one whose level is in [bottom, top]
-    (at most TRIGGER_VISITS visits; past that, TFLMS too would fall back to a synchronous swap-in)."""
+    """The latest fit ancestor whose level is in [bottom, top]; past TRIGGER_VISITS visits, None
+    (TFLMS, too, then falls back to a synchronous swap-in)."""
     levels = ctx.schedule.levels
-    heap = [-p for p in ctx.preds[consumer]]
-    heapq.heapify(heap)
-    seen = set(ctx.preds[consumer])
-    visits = 0
-    while heap:
-        p = -heapq.heappop(heap)
-        if levels[p] < bottom:
-            continue
-        if levels[p] <= top and ctx.can_trigger[p]:
-            return p
-        visits += 1
-        if visits > TRIGGER_VISITS:
-            return None
-        for q in ctx.preds[p]:
-            if q not in seen:
-                seen.add(q)
-                heapq.heappush(heap, -q)
-    return None
+    found = ctx.walk_ancestors(consumer, keep=lambda p: levels[p] >= bottom,
+                               accept=lambda p: levels[p] <= top and ctx.can_trigger[p])
+    return None if found is CAPPED else found
 
 
 def _just_in_time(ctx: _Context, consumer: int, producer: int) -> int:

@@ -185,3 +185,33 @@ def test_cli_tune_renders(samples, runner):
     assert result.exit_code == 0
     for text in ("predicted peak with plan", "Grappler's estimate", "swap-outs", "on pcie3"):
         assert text in result.stdout
+
+
+def test_triggers_are_fit_ancestors_in_range(samples):
+    """Every trigger the planner may pick is an ancestor of the consumer, inside the asked
+    range, on the GPU and outside loops and cond branches (so no cycle, no frame crossing)."""
+    import random
+
+    from lmscli.candidates import Filters
+    from lmscli.planner import _Context
+
+    prepared = _prepared(samples, "resnet50")
+    ctx = _Context(prepared, api.make_device(gpu_mem="1GiB"), Filters())
+    n = len(prepared.schedule)
+    rng = random.Random(7)
+    for _ in range(300):
+        consumer = rng.randrange(1, n)
+        latest = rng.randrange(0, consumer)
+        earliest = rng.randrange(0, latest + 1)
+        found = ctx.trigger(consumer, latest, earliest)
+        if found is None:
+            continue
+        assert earliest <= found <= latest and ctx.can_trigger[found]
+        stack, seen = [consumer], set()
+        while stack:
+            x = stack.pop()
+            for q in ctx.preds[x]:
+                if q not in seen and q >= found:
+                    seen.add(q)
+                    stack.append(q)
+        assert found in seen
