@@ -19,6 +19,7 @@ Two strategies produce the same kind of plan:
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 from dataclasses import dataclass, field
 
@@ -252,7 +253,7 @@ def _gap_swap(ctx: _Context, cand: Candidate, p: int, result: SimResult,
 
 
 CAPPED = object()  # an ancestor search that gave up
-TFLMS_SEARCH_MAX_OPS = 20_000  # above this, the default strategy does not also run TFLMS's search
+TFLMS_SEARCH_MAX_OPS = 8_000  # above this, the default strategy does not also run TFLMS's search
 TRIGGER_VISITS = 400  # ancestors visited exactly before falling back to the predecessor chain
 RESIMULATE_EVERY = 64  # greedy steps between full re-simulations
 STALL_JUDGEMENTS = 8  # full re-simulations without less total excess before giving up
@@ -269,6 +270,14 @@ class _Judged:
     result: SimResult  # on the device's link: timing, stalls, traffic
     instant: SimResult  # transfers take no time
     profile: np.ndarray  # per position, the worse of the two
+
+    @functools.cached_property
+    def d2h(self) -> list[tuple[int, int]]:
+        return _busy_blocks(self.result.transfers)
+
+    @functools.cached_property
+    def out_end(self) -> dict[int, int]:
+        return {tid: _us(e) for d, tid, _s, e in self.result.transfers if d == "out"}
 
     @property
     def peak(self) -> int:
@@ -319,7 +328,7 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
             raise _Stuck(int(np.argmax(excess)), judged.result)
         plateau = np.flatnonzero(excess == worst)[::-1][:64]
         clipped = np.clip(excess, 0, None)
-        d2h = _busy_blocks(judged.result.transfers)
+        d2h = judged.d2h
         ranked: list[_Choice] = []
         for p in (int(x) for x in plateau):
             ranked = _ranked_choices(ctx, chosen, p, judged, d2h, clipped)
@@ -375,7 +384,7 @@ def _ranked_choices(ctx: _Context, chosen: dict, p: int, judged: _Judged, d2h, c
     ranked.sort(key=lambda x: x[0], reverse=True)
     if ranked:
         return [c for _, c in ranked]
-    late = _late_free(ctx, chosen, p, result)
+    late = _late_free(ctx, chosen, p, judged)
     return [late] if late is not None else []
 
 
@@ -393,12 +402,12 @@ def _us(seconds: float) -> int:
     return int(round(seconds * 1e6))
 
 
-def _late_free(ctx: _Context, chosen: dict, p: int, result: SimResult) -> _Choice | None:
+def _late_free(ctx: _Context, chosen: dict, p: int, judged: _Judged) -> _Choice | None:
     """A swapped tensor whose GPU copy is still held at ``p`` because its swap-out is late
     (the device-to-host stream is busy): make ``p`` wait for that swap-out."""
     if not ctx.can_trigger[p]:
         return None
-    out_end = {tid: _us(e) for d, tid, _s, e in result.transfers if d == "out"}
+    result, out_end = judged.result, judged.out_end
     best = None
     for tid in sorted(chosen):
         c = chosen[tid]
