@@ -182,7 +182,8 @@ def write_results(rows, timings, rewrite, synth, quick, elapsed):
         "Grappler's verdict on the rewritten graph; `predicted` is our simulator's peak; overheads are "
         "the predicted step-time increase on NVLink 2.0 (150 GB/s) and PCIe 3 (16 GB/s).",
         "",
-        "| graph | budget | strategy | fits (Grappler) | Grappler peak | predicted peak | swapped out | overhead nvlink2 | overhead pcie3 | tuning s |",
+        "| graph | budget | strategy | fits (Grappler) | Grappler peak | predicted peak | swapped out "
+        "| overhead nvlink2 | overhead pcie3 | tuning s |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for label, share, budget, strategy, fits, gpeak, ppeak, swapped, nv, pc, secs in rows:
@@ -194,7 +195,7 @@ def write_results(rows, timings, rewrite, synth, quick, elapsed):
     lines += ["", f"`lms rewrite --gpu-mem 75%` on ResNet-50 end to end: {total:.2f} s wall, of which "
               f"{tf_import:.2f} s is importing TensorFlow: {total - tf_import:.2f} s beyond it."]
     if synth:
-        lines += [f"", f"Synthetic graph of {synth[0]:,} nodes: prepare {synth[1]:.1f} s, tune {synth[2]:.1f} s ({synth[3]})."]
+        lines += ["", f"Synthetic graph of {synth[0]:,} nodes: prepare {synth[1]:.1f} s, tune {synth[2]:.1f} s ({synth[3]})."]
     (ROOT / "bench" / "RESULTS.md").write_text("\n".join(lines) + "\n")
 
 

@@ -143,7 +143,8 @@ def _read_saved_model(path: str, tag: str | None):
     except InputError:
         raise
     except Exception as exc:
-        raise InputError(f"{path}: corrupted SavedModel ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})")
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise InputError(f"{path}: corrupted SavedModel ({first})") from None
     metas = list(saved.meta_graphs)
     if not metas:
         raise InputError(f"{path}: the SavedModel holds no MetaGraphDef")
@@ -205,7 +206,7 @@ def load(path: str, fmt: str | None = None, fetch: list[str] | None = None, tag:
             with open(path, "rb") as fh:
                 data = fh.read()
         except OSError as exc:
-            raise InputError(f"{path}: cannot read ({exc.strerror or exc})")
+            raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
         if not data:
             raise InputError(f"{path}: the file is empty")
         lower = path.lower()

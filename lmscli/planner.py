@@ -497,7 +497,8 @@ def _just_in_time(ctx: _Context, consumer: int, producer: int) -> int:
     return found if found is not None else producer
 
 
-def plan_tflms(ctx: _Context, budget_act: int, log: list[str], start_sync: int = 0) -> tuple[list[SimSwap], TflmsParams, SimResult]:
+def plan_tflms(ctx: _Context, budget_act: int, log: list[str],
+               start_sync: int = 0) -> tuple[list[SimSwap], TflmsParams, SimResult]:
     """TFLMS v2's auto-tuning: threshold 1 first, raising sync_mode until it fits; then binary
     searches for the largest threshold, the largest swapin_ahead and the largest groupby."""
     max_level = max(ctx.schedule.levels) + 1 if len(ctx.schedule) else 1

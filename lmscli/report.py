@@ -35,7 +35,8 @@ def render_analysis(console: Console, a) -> None:
     if a.largest_op:
         t.add_row("largest operation", f"{a.largest_op.name} ({a.largest_op.type}) {format_size(a.largest_op.bytes)}")
     t.add_row("peak memory, no swapping", f"[bold]{format_size(a.peak_bytes)}[/] "
-              f"({format_size(a.activation_peak_bytes)} tensors + {format_size(a.peak_bytes - a.activation_peak_bytes)} resident)")
+              f"({format_size(a.activation_peak_bytes)} tensors + "
+              f"{format_size(a.peak_bytes - a.activation_peak_bytes)} resident)")
     if a.peak_op:
         t.add_row("peak reached at", a.peak_op)
     t.add_row("lower bound with swapping", f"{format_size(a.lower_bound_bytes)} (at {a.lower_bound_op})")

@@ -1,14 +1,15 @@
 """The execution schedule of one training step, as plain values for the simulator and planner.
 
-Only the ancestors of the fetches run (as in ``Session.run``). By default their order and op
-times are those of Grappler's virtual scheduler on a virtual GPU (first-ready list scheduling
-with TensorFlow's analytical cost model), so our memory figures are comparable with
-TensorFlow's own estimate. Without Grappler, the same first-ready scheduling runs on our
-roofline cost model. Either way the order does not depend on the GraphDef's node order. Each tensor is described by its producer's position, its consumers'
-positions and its size; variables and constants are *resident* for the whole step.
+Only the ancestors of the fetches run (as in ``Session.run``). By default their order and op times
+are those of Grappler's virtual scheduler on a virtual GPU (first-ready list scheduling with
+TensorFlow's analytical cost model), so our memory figures are comparable with TensorFlow's own
+estimate. Without Grappler, the same first-ready scheduling runs on our roofline cost model.
+Either way the order does not depend on the GraphDef's node order. Each tensor is described by its
+producer's position, its consumers' positions and its size; variables and constants are *resident*
+for the whole step.
 
-A tensor counts against GPU memory when its producer or one of its consumers is a GPU op
-(any op not explicitly placed on a CPU); a host tensor read by a GPU op is a copy on the GPU.
+A tensor counts against GPU memory when its producer or one of its consumers is a GPU op (any op
+not explicitly placed on a CPU); a host tensor read by a GPU op is a copy on the GPU.
 """
 
 from __future__ import annotations
