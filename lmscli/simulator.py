@@ -74,7 +74,7 @@ class SimResult:
 def transfer_us(num_bytes: int, bandwidth: float) -> int:
     if math.isinf(bandwidth):
         return 0
-    return int(math.ceil(num_bytes / bandwidth * 1e6))
+    return int(round(num_bytes / bandwidth * 1e6))  # whole microseconds, as op times
 
 
 def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, detail: bool = True) -> SimResult:
