@@ -1,7 +1,7 @@
 """The ``lms`` command line: load -> library calls -> render. No computation lives here.
 
 Exit codes (also in the README): 0 success; 1 bad input or a failed run; 2 usage error;
-3 no plan fits the budget.
+3 no plan fits the budget; 4 ``lms verify`` found different results.
 """
 
 from __future__ import annotations
@@ -68,6 +68,11 @@ def cli(ctx, debug):
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if ctx.invoked_subcommand == "verify":
+        # oneDNN's CPU kernels may sum in another order for a buffer that arrived through a swap
+        # (another address and alignment): 1e-7 differences that say nothing about the rewrite.
+        # Verification compares computations, so it runs TensorFlow's own kernels.
+        os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
     ctx.default_map = project_defaults()
 
 
@@ -372,6 +377,11 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
         if result is not None:
             report.render_tune(console, result)
         report.render_rewrite(console, rep, output, dry_run)
+
+
+from lmscli.verify_cli import verify  # noqa: E402  (imports no TensorFlow)
+
+cli.add_command(verify)
 
 
 def main(argv=None):

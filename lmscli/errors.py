@@ -8,12 +8,14 @@ The library raises these; only the CLI turns them into exit codes.
 | 1    | bad input or a failed run (:class:`LmsError`)        |
 | 2    | usage error (Click's own)                            |
 | 3    | no plan fits the budget (:class:`NoFitError`)        |
+| 4    | ``lms verify``: the graphs compute different results |
 """
 
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_NO_FIT = 3
+EXIT_DIFFERENT = 4
 
 
 class LmsError(Exception):

@@ -7,10 +7,21 @@ when that allocation is freed; a free is recorded on the node that allocated, at
 happens). Both logical CPUs share one allocator, so the live bytes of the stand-in device are
 rebuilt from the records of the nodes that ran on it.
 
+What the records count: only what the traced step allocates. Variables were allocated before it
+(by the initializer, and Momentum/Adam slots that start as a shared constant get their own buffer
+at their first update), so their bytes are measured from the traced initializer and warm-up runs
+(what those left allocated on the stand-in) and reported apart (``resident_bytes``). Constants are
+allocated when kernels are built and never appear. Forwarding ops (Identity, ReadVariableOp,
+Reshape) allocate nothing: their output is their input's buffer, or the variable's.
+
 The measurement runs a copy of the graph in which swap nodes really copy (see
 :func:`lmscli.verify.place_on_cpu`); nothing here changes a graph that is written to disk.
-Variables are allocated by the initializer, before the step: their bytes (what initialisation
-left allocated on the stand-in) are measured from a traced initializer run and reported apart.
+
+Order matters: TensorFlow's executor picks a different order among ready nodes in every session,
+even with one inter-op thread, and with one thread the stand-in's partition keeps the thread
+while the host partition's swap-outs wait (in a rewritten U-Net they ran after the peak, so the
+rewrite appeared to save nothing). :func:`measure_peak` therefore chains the step in a given order
+(the simulator's schedule) with control edges: reproducible, and the same order the plan assumed.
 """
 
 from __future__ import annotations
@@ -45,15 +56,27 @@ class MeasuredMemory:
 
 
 def _records(step_stats, suffix: str):
-    """``(micros, bytes, node)`` allocation events of the nodes that ran on the device ending in ``suffix``."""
+    """``(micros, bytes, node)`` allocation events of the nodes that ran on the device ending in
+    ``suffix``. Scratch buffers an op frees before it ends (kernel temporaries, e.g. im2col) are
+    left out: like Grappler and the simulator, we measure tensors, not kernel workspaces (which
+    ``--reserve`` covers)."""
     events = []
     for dev in step_stats.dev_stats:
         if not dev.device.endswith(suffix):
             continue
         for node in dev.node_stats:
-            for mem in node.memory:
-                for rec in mem.allocation_records:
-                    events.append((rec.alloc_micros, rec.alloc_bytes, node.node_name))
+            records = [(rec.alloc_micros, rec.alloc_bytes) for mem in node.memory for rec in mem.allocation_records]
+            end = node.all_start_micros + node.all_end_rel_micros
+            freed = sorted((m, -b) for m, b in records if b < 0 and m <= end)
+            scratch: list[tuple[int, int]] = []
+            for m, b in sorted(r for r in records if r[1] > 0):
+                match = next((f for f in freed if f[1] == b and f[0] >= m), None)
+                if match is not None:
+                    freed.remove(match)
+                    scratch += [(m, b), (match[0], -b)]
+            for rec in scratch:
+                records.remove(rec)
+            events.extend((m, b, node.node_name) for m, b in records)
     return events
 
 
@@ -84,7 +107,7 @@ def live_curve(events):
             peak, peak_node, peak_index = live, node, i
     # Which allocations were still live at the peak (match frees to allocations per node and size).
     held: dict[tuple[str, int], int] = {}
-    for micros, num_bytes, node in ordered[: peak_index + 1]:
+    for _micros, num_bytes, node in ordered[: peak_index + 1]:
         key = (node, abs(num_bytes))
         held[key] = held.get(key, 0) + (1 if num_bytes > 0 else -1)
     per_node: dict[str, int] = {}
@@ -95,16 +118,100 @@ def live_curve(events):
     return peak, peak_node, at_peak, tuple(curve), live
 
 
-def measure_peak(meta_graph, fetches, batch_size: int = 1, warmup: int = 1, optimize: bool = True) -> MeasuredMemory:
+def _initializer_ancestors(meta) -> set[str]:
+    """Nodes the variable initializers need (they must not wait for the training step)."""
+    from tensorflow.core.framework import variable_pb2
+
+    starts = []
+    for key in ("variables", "local_variables", "trainable_variables", "model_variables"):
+        if key in meta.collection_def:
+            for raw in meta.collection_def[key].bytes_list.value:
+                var = variable_pb2.VariableDef()
+                var.ParseFromString(raw)
+                if var.initializer_name:
+                    starts.append(var.initializer_name.split(":")[0])
+    inputs = {node.name: node.input for node in meta.graph_def.node}
+    seen: set[str] = set()
+    stack = [s for s in starts if s in inputs]
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for text in inputs.get(name, ()):
+            src = text.lstrip("^").split(":")[0]
+            if src in inputs and src not in seen:
+                stack.append(src)
+    return seen
+
+
+def _control_flow_regions(graph_def) -> set[str]:
+    """Nodes a chain must not touch: v1 while-loop bodies (from an Enter up to its Exit), all that
+    follows an Exit (it fires only when the loop is done, through back edges a static order does
+    not see), and v1 cond branches (from a Switch up to its Merge: a dead branch would kill the
+    next node in the chain)."""
+    succ: dict[str, list[str]] = {}
+    ops = {}
+    for node in graph_def.node:
+        ops[node.name] = node.op
+        for text in node.input:
+            succ.setdefault(text.lstrip("^").split(":")[0], []).append(node.name)
+
+    def flood(starts, stop=frozenset()):
+        seen = set(starts)
+        stack = list(starts)
+        while stack:
+            name = stack.pop()
+            if ops.get(name) in stop and name not in starts:
+                continue
+            for nxt in succ.get(name, ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return seen
+
+    enters = [n for n, op in ops.items() if op in ("Enter", "RefEnter")]
+    exits = [n for n, op in ops.items() if op in ("Exit", "RefExit")]
+    switches = [n for n, op in ops.items() if op in ("Switch", "RefSwitch")]
+    return (flood(enters, frozenset({"Exit", "RefExit"})) | flood(exits)
+            | flood(switches, frozenset({"Merge", "RefMerge"})))
+
+
+def serialize(meta, order) -> int:
+    """Chain the nodes of ``order`` with control edges so they run exactly in that order.
+
+    Nodes without inputs (variables, constants, placeholders), what the variable initializers
+    need and control-flow regions stay free. Returns the number of edges added.
+    """
+    skip = _initializer_ancestors(meta) | _control_flow_regions(meta.graph_def)
+    nodes = {node.name: node for node in meta.graph_def.node}
+    chain = [n for n in order if n in nodes and n not in skip and len(nodes[n].input) > 0]
+    added = 0
+    for prev, name in zip(chain, chain[1:]):
+        node = nodes[name]
+        if any(text.lstrip("^").split(":")[0] == prev for text in node.input):
+            continue
+        node.input.append("^" + prev)
+        added += 1
+    return added
+
+
+def measure_peak(meta_graph, fetches, batch_size: int = 1, order=None, warmup: int = 1,
+                 optimize: bool = False) -> MeasuredMemory:
     """Run one traced training step of ``fetches`` and measure the peak live bytes on the stand-in.
 
-    Swap nodes are replaced by copying ops in a private copy of the graph; one inter-op thread makes
-    the figure reproducible. ``warmup`` untraced steps run first (first-run allocations aside).
+    Swap nodes are replaced by copying ops in a private copy of the graph. ``order`` (node names,
+    e.g. the schedule the simulator used) serializes the step: TensorFlow's executor otherwise picks
+    a different order of ready nodes in every session, even with one inter-op thread, and a
+    rewritten graph's peak depends on it. ``warmup`` steps run first (first-run allocations aside).
+    ``optimize=False`` turns Grappler off so the graph runs as written (oneDNN's fusions remain).
     """
     tf = tensorflow()
     from lmscli import verify
 
     placed = verify.place_on_cpu(meta_graph, copies=True)
+    if order:
+        serialize(placed.meta_graph, order)
     try:
         g = verify.import_graph(placed.meta_graph, fetches)
         options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
@@ -139,3 +246,49 @@ def measure_peak(meta_graph, fetches, batch_size: int = 1, warmup: int = 1, opti
         notes.append(f"{len(misplaced)} swap-outs did not run on the host (e.g. {misplaced[0]})")
     return MeasuredMemory(peak, max(resident, 0), peak_node, at_peak, curve, host_peak, placed.copies, placements,
                           tuple(notes))
+
+
+# Ops whose output TensorFlow hands over as the input's buffer (or the variable's own buffer):
+# no allocation. The simulator and Grappler count each of their outputs as a new tensor.
+FORWARDING_OPS = frozenset({"Identity", "ReadVariableOp", "Reshape", "Snapshot", "StopGradient", "Squeeze",
+                            "ExpandDims", "PreventGradient"})
+
+
+def forwarding_peak(schedule) -> int:
+    """The schedule's activation peak if outputs of forwarding ops shared their input's buffer.
+
+    The same replay as the simulator (allocate when the producer starts, free when the last
+    consumer ends, allocations first) except that a forwarding op on the device allocates nothing
+    and keeps its source alive until its own consumers are done; a ``ReadVariableOp`` output is the
+    variable's resident buffer. A diagnostic for the gap between simulated and measured peaks.
+    """
+    root: dict[int, int | None] = {}
+    last: dict[int, int] = {}
+    size: dict[int, int] = {}
+    for t in schedule.tensors:
+        p = t.producer
+        end = t.consumers[-1] if t.consumers else p
+        if schedule.on_gpu[p] and schedule.ops[p] in FORWARDING_OPS:
+            if schedule.ops[p] == "ReadVariableOp":
+                root[t.id] = None
+                continue
+            sources = [i for i in schedule.inputs[p] if schedule.tensors[i].num_bytes == t.num_bytes]
+            if sources:
+                r = root.get(sources[0], sources[0])
+                root[t.id] = r
+                if r is not None:
+                    last[r] = max(last[r], end)
+                continue
+        root[t.id] = t.id
+        last[t.id] = end
+        size[t.id] = t.num_bytes
+    events = []
+    for tid, num_bytes in size.items():
+        events.append((schedule.tensors[tid].producer, 0, num_bytes))
+        events.append((last[tid], 1, -num_bytes))
+    events.sort()
+    live = peak = 0
+    for _pos, _phase, delta in events:
+        live += delta
+        peak = max(peak, live)
+    return peak

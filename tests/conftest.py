@@ -9,6 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Bit-identity checks compare computations, not oneDNN's alignment-dependent kernel choices
+# (see lmscli/cli.py): TensorFlow's own CPU kernels, as `lms verify` uses.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "sample_graphs"

@@ -44,3 +44,4 @@ def test_exit_code_table():
     assert "bad input" in table[str(errors.EXIT_ERROR)]
     assert "usage" in table[str(errors.EXIT_USAGE)]
     assert "no plan fits" in table[str(errors.EXIT_NO_FIT)]
+    assert "different results" in table[str(errors.EXIT_DIFFERENT)]
