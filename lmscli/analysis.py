@@ -49,7 +49,10 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
     if batch_size is not None:
         graph_def, changed = shapes.set_batch_size(graph_def, batch_size)
     tensors = shapes.infer(graph_def)
-    view = GraphView(graph_def, tensors)
+    if not changed and model.structure is not None and model.structure.size == len(graph_def.node):
+        view = model.structure.with_tensors(tensors)
+    else:
+        view = GraphView(graph_def, tensors)
     for name in model.fetches:
         if name not in view.index:
             raise InputError(f"fetch {name!r} is not a node of the graph")

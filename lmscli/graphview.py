@@ -248,6 +248,13 @@ class GraphView:
         return [i for i in range(self.size) if not self.consumers[i] and not self.control_consumers[i]]
 
     # ------------------------------------------------------------------ tensors
+    def with_tensors(self, tensors: dict[str, Sequence[TensorInfo]]) -> "GraphView":
+        """The same structure with tensor facts attached (no structural work is redone)."""
+        other = object.__new__(GraphView)
+        other.__dict__.update(self.__dict__)
+        other._tensors = {k: tuple(v) for k, v in tensors.items()}
+        return other
+
     def outputs(self, i: int) -> tuple[TensorInfo, ...]:
         return self._tensors.get(self.names[i], ())
 

@@ -32,6 +32,7 @@ class Model:
     fetch_source: str = ""  # "option", "train_op" or "sinks"
     notes: list[str] = field(default_factory=list)
     saved_model_tag: str | None = None
+    structure: object = field(default=None, repr=False, compare=False)  # GraphView without tensor facts
 
     @property
     def graph_def(self):
@@ -230,17 +231,17 @@ def load(path: str, fmt: str | None = None, fetch: list[str] | None = None, tag:
     if not _plausible_graph(meta.graph_def):
         raise InputError(f"{path}: the graph has no nodes")
     model = Model(path=path, format=kind, meta_graph=meta, saved_model_tag=saved_tag)
-    _check_structure(model)
+    model.structure = _check_structure(model)
     _choose_fetches(model, fetch)
     return model
 
 
-def _check_structure(model: Model) -> None:
-    """Duplicate names, dangling inputs and cycles, reported as GraphError (via GraphView)."""
+def _check_structure(model: Model):
+    """Duplicate names, dangling inputs and cycles, reported as GraphError; returns the GraphView."""
     from lmscli.graphview import GraphView
 
     try:
-        GraphView(model.graph_def)
+        return GraphView(model.graph_def)
     except GraphError as exc:
         raise GraphError(f"{model.path}: {exc}") from None
 
@@ -259,9 +260,7 @@ def _choose_fetches(model: Model, fetch: list[str] | None) -> None:
     if train:
         model.fetches, model.fetch_source = tuple(dict.fromkeys(train)), "train_op"
         return
-    from lmscli.graphview import GraphView
-
-    view = GraphView(model.graph_def)
+    view = model.structure
     skip = {"NoOp", "Assert", "SaveV2", "RestoreV2", "Const", "Placeholder"}
     sinks = [view.names[i] for i in view.sinks() if view.ops[i] not in skip]
     sinks = sorted(sinks) or sorted(view.names[i] for i in view.sinks())
