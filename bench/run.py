@@ -41,9 +41,12 @@ def generator():
 
 
 GRAPHS_FULL = [
+    ("mlp (sample)", None, {}),
     ("cnn (sample)", None, {}),
     ("unet3d (sample)", None, {}),
     ("resnet50 (sample)", None, {}),
+    ("while_rnn (sample)", None, {}),
+    ("cond_cnn (sample)", None, {}),
     ("resnet50 2000^2", "resnet50", {"image_size": 2000, "batch": 1}),
     ("unet3d 128^3", "unet3d", {"volume": 128, "batch": 1}),
     ("unet3d 192^3", "unet3d", {"volume": 192, "batch": 1}),
