@@ -62,18 +62,6 @@ def parse_input(text: str) -> tuple[str, int, bool]:
     return text, 0, False
 
 
-def tensor_name(node: str, output: int) -> str:
-    return f"{node}:{output}"
-
-
-@dataclass(frozen=True)
-class Edge:
-    src: int
-    output: int  # -1 for a control edge
-    dst: int
-    port: int  # input position on dst; -1 for a control edge
-
-
 class GraphView:
     """Index-based read-only view of a GraphDef (see the module docstring)."""
 
@@ -281,6 +269,3 @@ class GraphView:
 
     def conditional(self, i: int) -> bool:
         return self.cond_depth[i] > 0
-
-    def name_of(self, i: int, output: int | None = None) -> str:
-        return self.names[i] if output is None else tensor_name(self.names[i], output)

@@ -271,10 +271,6 @@ def _choose_fetches(model: Model, fetch: list[str] | None) -> None:
     )
 
 
-def detect_format(path: str) -> str:
-    return load(path).format
-
-
 def serialize(model_or_meta, fmt: str, tag: str | None = None) -> bytes:
     """Serialize a MetaGraphDef in the given format (deterministically)."""
     from google.protobuf import text_format

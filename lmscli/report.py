@@ -137,5 +137,5 @@ def render_rewrite(console: Console, report, output: str | None, dry_run: bool) 
     line = report.summary()
     if report.control_edges:
         line += f", {report.control_edges} control edge(s)"
-    console.print(("[bold]dry run:[/] would write " if dry_run else "wrote ") + (output or "") + "")
+    console.print(("[bold]dry run:[/] would write " if dry_run else "wrote ") + (output or ""))
     console.print(line)

@@ -72,15 +72,3 @@ def parse_bandwidth(text: str) -> float:
     if per_second <= 0:
         raise InputError(f"bandwidth must be positive: {text!r}")
     return float(per_second)
-
-
-def format_bandwidth(bytes_per_second: float) -> str:
-    return f"{bytes_per_second / 1e9:.1f} GB/s"
-
-
-def format_seconds(seconds: float) -> str:
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.0f} us"
-    if seconds < 1:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds:.2f} s"
