@@ -30,6 +30,7 @@ class Prepared:
     schedule: Schedule
     batch_size: int | None
     batched_placeholders: tuple[str, ...]
+    fused: frozenset = frozenset()  # nodes Grappler's default optimizations remove (never swapped)
 
 
 def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grappler",
@@ -56,20 +57,20 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
     for name in model.fetches:
         if name not in view.index:
             raise InputError(f"fetch {name!r} is not a node of the graph")
+    from lmscli import grappler
+
+    meta = with_graph_def(model.meta_graph, graph_def) if changed else model.meta_graph
     trace = None
     if cost_model == "grappler":
-        from lmscli import grappler
         from lmscli.errors import LmsError
 
-        meta = model.meta_graph
-        if changed:
-            meta = with_graph_def(model.meta_graph, graph_def)
         try:
             trace = grappler.trace(meta, model.fetches)
         except LmsError as exc:
             model.notes.append(f"{exc}; ordering ops with the roofline cost model instead")
     schedule = build_schedule(view, model.fetches, flops=flops, mem_bandwidth=mem_bandwidth, trace=trace)
-    return Prepared(model, graph_def, view, schedule, batch_size, tuple(changed))
+    fused = grappler.fused_away(meta, model.fetches)
+    return Prepared(model, graph_def, view, schedule, batch_size, tuple(changed), fused)
 
 
 def with_graph_def(meta_graph, graph_def):
@@ -221,7 +222,7 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
         param_bytes = all_var_bytes
     else:
         param_bytes = sum(variable_bytes(view, i) for i in var_nodes if view.names[i] in trainable)
-    cands = candidates(view, schedule, filters)
+    cands = candidates(view, schedule, filters, prepared.fused)
     lb, lb_pos = lower_bound(prepared, set(cands), result if baseline is None else None)
     unknown = []
     for i in active:

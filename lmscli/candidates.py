@@ -10,7 +10,8 @@ A tensor is a *candidate* when swapping it is both safe and useful:
 * its dtype is numeric (no resource, variant or string handles), its rank is at least 2 and its
   size is known;
 * at least one consumer is *rewirable*: a GPU op outside while-loop frames that is not itself a
-  control-flow op (those need their inputs in a particular frame or form).
+  control-flow op (those need their inputs in a particular frame or form), and whose edge from
+  the producer is not one Grappler fuses (see :data:`FUSED_EDGES`).
 
 User filters (name scopes and op types, for producers and consumers) narrow this further.
 """
@@ -65,6 +66,22 @@ class Filters:
         return cls(**{k: tuple(v) for k, v in (data or {}).items()})
 
 
+_MATMULS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"})
+_ACTIVATIONS = frozenset({"Relu", "Relu6", "Elu", "LeakyRelu", "Tanh", "Sigmoid"})
+# Producer -> consumer edges that Grappler folds or fuses (transposes into matmuls, bias adds and
+# activations into convolutions). A swap node on such an edge stops the fusion and the kernel that
+# runs instead rounds differently in the last bit, so those consumers always read the GPU copy.
+FUSED_EDGES = (
+    (frozenset({"Transpose", "ConjugateTranspose"}), _MATMULS),
+    (frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul"}), frozenset({"BiasAdd", "Add", "AddV2"})),
+    (frozenset({"BiasAdd", "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"}), _ACTIVATIONS),
+)
+
+
+def fused_edge(producer_op: str, consumer_op: str) -> bool:
+    return any(producer_op in src and consumer_op in dst for src, dst in FUSED_EDGES)
+
+
 def _in_scope(name: str, scope: str) -> bool:
     scope = scope.rstrip("/")
     return name == scope or name.startswith(scope + "/")
@@ -77,14 +94,17 @@ class Candidate:
     pinned: tuple[int, ...] = field(default=())  # consumer positions that must read the GPU copy
 
 
-def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters()) -> dict[int, Candidate]:
-    """Candidate tensors of ``schedule`` keyed by tensor id (see the module docstring)."""
+def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters(),
+               fused: frozenset = frozenset()) -> dict[int, Candidate]:
+    """Candidate tensors of ``schedule`` keyed by tensor id (see the module docstring). Nodes in
+    ``fused`` (removed by Grappler's optimizations) neither produce swapped tensors nor read
+    swap-ins."""
     out: dict[int, Candidate] = {}
     for t in schedule.tensors:
         p = t.producer
         node = schedule.nodes[p]
         op = view.ops[node]
-        if not schedule.on_gpu[p] or op in NEVER_SWAP_PRODUCERS or view.in_loop(node):
+        if not schedule.on_gpu[p] or op in NEVER_SWAP_PRODUCERS or view.in_loop(node) or view.names[node] in fused:
             continue
         info = view.tensor(node, t.output)
         if info is None or info.num_bytes is None or info.itemsize == 0 or (info.rank or 0) < 2:
@@ -96,6 +116,7 @@ def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters()
             cnode = schedule.nodes[c]
             cop = view.ops[cnode]
             if (schedule.on_gpu[c] and cop not in CONTROL_FLOW_OPS and not view.in_loop(cnode)
+                    and not fused_edge(op, cop) and view.names[cnode] not in fused
                     and filters.consumer_ok(view.names[cnode], cop)):
                 rewirable.append(c)
             else:

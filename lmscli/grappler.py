@@ -122,3 +122,23 @@ def tensor_sizes(meta_graph, fetches) -> dict:
     _perfs, _run_time, step_stats = _cluster(1 << 50).MeasureCosts(gitem.Item(meta))
     return {(ns.node_name, o.slot): int(o.tensor_description.allocation_description.allocated_bytes)
             for dev in step_stats.dev_stats for ns in dev.node_stats for o in ns.output}
+
+
+def fused_away(meta_graph, fetches) -> frozenset:
+    """Names of the nodes Grappler's default optimizations (as a Session runs them on this
+    machine) fold, fuse or prune away. A swap node attached to one of them would change what
+    Grappler optimizes, and with it the last bits of the results, so lms leaves them alone."""
+    tensorflow()
+    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.python.grappler import tf_optimizer
+
+    meta = type(meta_graph)()
+    meta.CopyFrom(meta_graph)
+    meta.collection_def["train_op"].Clear()
+    meta.collection_def["train_op"].node_list.value.extend(fetches)
+    try:
+        optimized = tf_optimizer.OptimizeGraph(config_pb2.ConfigProto(), meta)
+    except Exception:
+        return frozenset()
+    kept = {node.name for node in optimized.node}
+    return frozenset(node.name for node in meta.graph_def.node if node.name not in kept)

@@ -78,7 +78,7 @@ class _Context:
         self.view = prepared.view
         self.schedule: Schedule = prepared.schedule
         self.device = device
-        self.cands: dict[int, Candidate] = candidates(self.view, self.schedule, filters)
+        self.cands: dict[int, Candidate] = candidates(self.view, self.schedule, filters, prepared.fused)
         sched = self.schedule
         pos_of = {node: k for k, node in enumerate(sched.nodes)}
         self.preds: list[list[int]] = []
