@@ -68,6 +68,10 @@ class Filters:
 
 _MATMULS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"})
 _ACTIVATIONS = frozenset({"Relu", "Relu6", "Elu", "LeakyRelu", "Tanh", "Sigmoid"})
+_ARITHMETIC = frozenset({
+    "Mul", "Add", "AddV2", "Sub", "RealDiv", "Div", "Neg", "AddN", "MulNoNan", "DivNoNan", "Square", "Sqrt",
+    "Rsqrt", "Reciprocal", "Exp", "Log", "Log1p", "Erf", "Erfc", "Pow", "Maximum", "Minimum", "Abs", "Cast",
+})
 # Producer -> consumer edges that Grappler folds or fuses (transposes into matmuls, bias adds and
 # activations into convolutions). A swap node on such an edge stops the fusion and the kernel that
 # runs instead rounds differently in the last bit, so those consumers always read the GPU copy.
@@ -75,6 +79,10 @@ FUSED_EDGES = (
     (frozenset({"Transpose", "ConjugateTranspose"}), _MATMULS),
     (frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul"}), frozenset({"BiasAdd", "Add", "AddV2"})),
     (frozenset({"BiasAdd", "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"}), _ACTIVATIONS),
+    # Chains of element-wise arithmetic: the arithmetic optimizer and constant folding rewrite them
+    # (push constant factors down a chain of Muls, simplify squares and exponentials), which an
+    # Identity between two links prevents (found on GELU gradients: 1e-8 differences after two steps).
+    (_ARITHMETIC, _ARITHMETIC),
 )
 
 
