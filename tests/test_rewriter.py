@@ -158,3 +158,40 @@ def test_broken_plans_are_caught(samples):
     with pytest.raises(GraphError, match="cycle"):
         api.rewrite(prepared, replace(result.plan, swaps=(cyclic,)))
     assert consumer
+
+
+def test_gelu_attention_style_net_stays_bit_identical_under_grappler(tmp_path):
+    """GELU and layer-norm chains: Grappler's arithmetic optimizer and constant folding rewrite
+    element-wise chains, so a swap node inside one changes the last bits. lms must not put one
+    there; with its plan the rewrite is bit-identical with Grappler's default optimizations on."""
+    tf = tensorflow()
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(0)
+        x = v1.placeholder(tf.float32, [4, 32, 64], name="inputs")
+        y = v1.placeholder(tf.float32, [4, 10], name="labels")
+        h = x
+        for layer in range(3):
+            with v1.variable_scope(f"layer{layer}"):
+                w1 = v1.get_variable("w1", [64, 256], initializer=v1.truncated_normal_initializer(0.0, 0.05, seed=layer))
+                w2 = v1.get_variable("w2", [256, 64], initializer=v1.truncated_normal_initializer(0.0, 0.05, seed=9 + layer))
+                h = h + tf.einsum("btf,fd->btd", tf.nn.gelu(tf.einsum("btd,df->btf", h, w1)), w2)
+                mean, var = tf.nn.moments(h, [-1], keepdims=True)
+                h = (h - mean) * tf.math.rsqrt(var + 1e-5)
+        head = v1.get_variable("head", [64, 10], initializer=v1.truncated_normal_initializer(0.0, 0.05, seed=99))
+        logits = tf.matmul(tf.reduce_mean(h, 1), head)
+        loss = tf.identity(tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(labels=y, logits=logits)), name="loss")
+        v1.add_to_collection("train_op", v1.train.AdamOptimizer(1e-3).minimize(loss))
+        path = tmp_path / "gelu.meta"
+        v1.train.export_meta_graph(str(path), graph=graph)
+    model = api.load(str(path))
+    prepared = api.prepare(model)
+    facts = api.analyze(prepared)
+    result = api.tune(prepared, api.make_device(gpu_mem=(facts.lower_bound_bytes + facts.peak_bytes) // 2,
+                                                reserve=0.0), check=False)
+    assert result.plan.swaps
+    new_graph, _ = api.rewrite(prepared, result.plan)
+    before = verify.run_steps(model.meta_graph, model.fetches, steps=2)
+    after = verify.run_steps(new_graph, model.fetches, steps=2)
+    assert verify.first_difference(before, after) is None
