@@ -86,8 +86,16 @@ FUSED_EDGES = (
 )
 
 
-def fused_edge(producer_op: str, consumer_op: str) -> bool:
+def fused_edge(producer_op: str, consumer_op: str, lone_mul_into_addn: bool = False) -> bool:
+    """True for an edge Grappler may fold or fuse. A Mul that is the only Mul feeding an AddN is
+    the exception (no common factor to hoist out of the sum: a weight-decay term, typically)."""
+    if lone_mul_into_addn and producer_op == "Mul" and consumer_op == "AddN":
+        return False
     return any(producer_op in src and consumer_op in dst for src, dst in FUSED_EDGES)
+
+
+def _lone_mul(view: GraphView, consumer: int) -> bool:
+    return sum(1 for src, _ in view.data_inputs[consumer] if view.ops[src] == "Mul") == 1
 
 
 def _in_scope(name: str, scope: str) -> bool:
@@ -124,7 +132,8 @@ def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters()
             cnode = schedule.nodes[c]
             cop = view.ops[cnode]
             if (schedule.on_gpu[c] and cop not in CONTROL_FLOW_OPS and not view.in_loop(cnode)
-                    and not fused_edge(op, cop) and view.names[cnode] not in fused
+                    and not fused_edge(op, cop, cop == "AddN" and _lone_mul(view, cnode))
+                    and view.names[cnode] not in fused
                     and filters.consumer_ok(view.names[cnode], cop)):
                 rewirable.append(c)
             else:
