@@ -223,7 +223,7 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
     else:
         param_bytes = sum(variable_bytes(view, i) for i in var_nodes if view.names[i] in trainable)
     cands = candidates(view, schedule, filters, prepared.fused)
-    lb, lb_pos = lower_bound(prepared, set(cands), result if baseline is None else None)
+    lb, lb_pos = lower_bound(prepared, set(cands), result)
     unknown = []
     for i in active:
         for k, info in enumerate(view.outputs(i)):

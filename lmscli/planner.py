@@ -569,7 +569,7 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
                    f"({format_size(baseline.peak_bytes)} <= {format_size(budget)})")
         result = baseline
     else:
-        lb, lb_pos = lower_bound(prepared, set(ctx.cands))
+        lb, lb_pos = lower_bound(prepared, set(ctx.cands), baseline)
         if lb > budget:
             raise NoFitError(_no_fit_message(ctx, lb, lb_pos, budget))
         if options.strategy == "tflms":
