@@ -103,6 +103,14 @@ def _in_scope(name: str, scope: str) -> bool:
     return name == scope or name.startswith(scope + "/")
 
 
+def edge_safe(view: GraphView, schedule: Schedule, k: int) -> bool:
+    """May the op at position ``k`` take part in an added control edge (trigger, waiter, serialized
+    chain)? A GPU op outside while loops and cond branches that is not itself control flow."""
+    node = schedule.nodes[k]
+    return (schedule.on_gpu[k] and not view.in_loop(node) and not view.conditional(node)
+            and schedule.ops[k] not in CONTROL_FLOW_OPS)
+
+
 @dataclass(frozen=True)
 class Candidate:
     tensor: int  # SimTensor id

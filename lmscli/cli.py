@@ -191,12 +191,14 @@ def _tune_options(strategy, swapout_threshold, swapin_ahead, swapin_groupby, syn
 
 
 def _device(prepared, gpu_mem, device_preset, reserve, host_mem, link):
+    """The device; ``prepared`` (a Prepared, or a function making one) is used only for N%."""
     from lmscli import api
     from lmscli.device import gpu_mem_from_text
     from lmscli.simulator import simulate
 
     peak = None
     if isinstance(gpu_mem, str) and gpu_mem.strip().endswith("%"):
+        prepared = prepared() if callable(prepared) else prepared
         peak = simulate(prepared.schedule).peak_bytes
     return api.make_device(gpu_mem=gpu_mem_from_text(gpu_mem, peak), preset=device_preset, reserve=reserve,
                            host_mem=host_mem, link=link)
@@ -269,7 +271,9 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
     loaded = _load(model, fmt, fetch, tag)
     options = _tune_options(**plan_kwargs)
     if find_max_batch:
-        probe = api.prepare(loaded, batch_size=batch_size or 1)
+        def probe():
+            return api.prepare(loaded, batch_size=batch_size or 1)
+
         device = _device(probe, gpu_mem, device_preset, reserve, host_mem, link)
         batch, result, prepared = api.find_max_batch(loaded, device, options)
     else:

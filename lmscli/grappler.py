@@ -94,17 +94,22 @@ class Trace:
     on_host: frozenset = frozenset()  # ops Grappler's placer put on the CPU (no GPU kernel)
 
 
-def trace(meta_graph, fetches, gpu_mem: int = 1 << 50) -> Trace:
-    """Run Grappler's virtual scheduler (analytical cost model, first-ready order) on a virtual GPU."""
+def _step_stats(meta_graph, fetches, gpu_mem: int = 1 << 50):
+    """One run of Grappler's virtual scheduler on a virtual GPU: its StepStats."""
     from tensorflow.python.grappler import item as gitem
 
     meta = placed_metagraph(meta_graph, fetches)
     try:
-        item = gitem.Item(meta)
-        _perfs, _run_time, step_stats = _cluster(gpu_mem).MeasureCosts(item)
+        _perfs, _run_time, step_stats = _cluster(gpu_mem).MeasureCosts(gitem.Item(meta))
     except Exception as exc:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise LmsError(f"Grappler could not schedule the graph: {text}") from None
+    return step_stats
+
+
+def trace(meta_graph, fetches, gpu_mem: int = 1 << 50) -> Trace:
+    """Run Grappler's virtual scheduler (analytical cost model, first-ready order) on a virtual GPU."""
+    step_stats = _step_stats(meta_graph, fetches, gpu_mem)
     rows = []
     for dev in step_stats.dev_stats:
         for seq, ns in enumerate(dev.node_stats):
@@ -116,10 +121,7 @@ def trace(meta_graph, fetches, gpu_mem: int = 1 << 50) -> Trace:
 
 def tensor_sizes(meta_graph, fetches) -> dict:
     """Bytes Grappler's own shape inference gives each output: ``(node, output) -> bytes``."""
-    from tensorflow.python.grappler import item as gitem
-
-    meta = placed_metagraph(meta_graph, fetches)
-    _perfs, _run_time, step_stats = _cluster(1 << 50).MeasureCosts(gitem.Item(meta))
+    step_stats = _step_stats(meta_graph, fetches)
     return {(ns.node_name, o.slot): int(o.tensor_description.allocation_description.allocated_bytes)
             for dev in step_stats.dev_stats for ns in dev.node_stats for o in ns.output}
 

@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lmscli.analysis import Prepared, lower_bound
-from lmscli.candidates import Candidate, Filters, candidates
+from lmscli.candidates import Candidate, Filters, candidates, edge_safe
 from lmscli.device import Device
 from lmscli.errors import NoFitError
-from lmscli.graphview import CONTROL_FLOW_OPS
 from lmscli.plan import Plan, from_sim, graph_fingerprint
 from lmscli.schedule import Schedule
 from lmscli.simulator import SimResult, SimSwap, SwapIn, simulate, transfer_us
@@ -84,11 +83,7 @@ class _Context:
         self.preds: list[list[int]] = []
         for node in sched.nodes:
             self.preds.append(sorted({pos_of[s] for s in self.view.predecessors(node) if s in pos_of}))
-        self.can_trigger = [
-            sched.on_gpu[k] and not self.view.in_loop(node) and not self.view.conditional(node)
-            and sched.ops[k] not in CONTROL_FLOW_OPS
-            for k, node in enumerate(sched.nodes)
-        ]
+        self.can_trigger = [edge_safe(self.view, sched, k) for k in range(len(sched))]
         ids = sorted(self.cands)
         self._cand_ids = np.array(ids, dtype=np.int64)
         self._cand_first = np.array([sched.tensors[t].producer for t in ids], dtype=np.int64)
@@ -328,10 +323,9 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
             raise _Stuck(int(np.argmax(excess)), judged.result)
         plateau = np.flatnonzero(excess == worst)[::-1][:64]
         clipped = np.clip(excess, 0, None)
-        d2h = judged.d2h
         ranked: list[_Choice] = []
         for p in (int(x) for x in plateau):
-            ranked = _ranked_choices(ctx, chosen, p, judged, d2h, clipped)
+            ranked = _ranked_choices(ctx, chosen, p, judged, clipped)
             if ranked:
                 break
         if not ranked:
@@ -369,9 +363,9 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
     return [c.swap for c in chosen.values()], judged.result
 
 
-def _ranked_choices(ctx: _Context, chosen: dict, p: int, judged: _Judged, d2h, clipped) -> list[_Choice]:
+def _ranked_choices(ctx: _Context, chosen: dict, p: int, judged: _Judged, clipped) -> list[_Choice]:
     """Swaps across ``p``, best first: no-stall swaps first, then the most excess removed."""
-    result = judged.result
+    result, d2h = judged.result, judged.d2h
     ranked = []
     for tid in ctx.live_candidates(p):
         if tid in chosen:
@@ -698,9 +692,8 @@ def serialization_chains(prepared: Prepared, levels=(), min_bytes: int | None = 
     out_bytes: dict[int, int] = {}
     for t in sched.tensors:
         out_bytes[sched.levels[t.producer]] = out_bytes.get(sched.levels[t.producer], 0) + t.num_bytes
-    for k, node in enumerate(sched.nodes):
-        if (sched.levels[k] > 0 and sched.on_gpu[k] and not view.in_loop(node) and not view.conditional(node)
-                and sched.ops[k] not in CONTROL_FLOW_OPS):
+    for k in range(len(sched)):
+        if sched.levels[k] > 0 and edge_safe(view, sched, k):
             by_level.setdefault(sched.levels[k], []).append(k)
     chosen = set(levels)
     if min_bytes is not None:
