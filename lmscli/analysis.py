@@ -8,13 +8,13 @@ inferred, batch size applied, execution schedule built); ``analyze()`` derives a
 from __future__ import annotations
 
 import bisect
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from lmscli.candidates import Filters, candidates
 from lmscli.errors import InputError
 from lmscli.graphview import VARIABLE_OPS, GraphView
 from lmscli.loader import Model
-from lmscli.schedule import Schedule, build_schedule, variable_bytes
+from lmscli.schedule import Schedule, build_schedules, variable_bytes
 from lmscli.simulator import SimResult, simulate
 
 SCHEMA_VERSION = 1
@@ -31,6 +31,18 @@ class Prepared:
     batch_size: int | None
     batched_placeholders: tuple[str, ...]
     fused: frozenset = frozenset()  # nodes Grappler's default optimizations remove (never swapped)
+    schedules: tuple = ()  # one Schedule per GPU the step uses; ``schedule`` is the one needing most
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(s.device for s in self.schedules) or (self.schedule.device,)
+
+    def for_device(self, device: str) -> "Prepared":
+        """The same model seen by one of its GPUs (what a per-device plan is made from)."""
+        for schedule in self.schedules:
+            if schedule.device == device:
+                return replace(self, schedule=schedule, schedules=(schedule,))
+        raise InputError(f"the step runs no op on {device!r} (devices: {', '.join(self.devices)})")
 
 
 def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grappler",
@@ -68,9 +80,12 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
             trace = grappler.trace(meta, model.fetches)
         except LmsError as exc:
             model.notes.append(f"{exc}; ordering ops with the roofline cost model instead")
-    schedule = build_schedule(view, model.fetches, flops=flops, mem_bandwidth=mem_bandwidth, trace=trace)
+    schedules = build_schedules(view, model.fetches, flops=flops, mem_bandwidth=mem_bandwidth, trace=trace)
+    schedule = schedules[0]
+    if len(schedules) > 1:  # the GPU that needs the most memory speaks for the graph
+        schedule = max(schedules, key=lambda s: simulate(s, detail=False).peak_bytes)
     fused = grappler.fused_away(meta, model.fetches)
-    return Prepared(model, graph_def, view, schedule, batch_size, tuple(changed), fused)
+    return Prepared(model, graph_def, view, schedule, batch_size, tuple(changed), fused, schedules)
 
 
 def with_graph_def(meta_graph, graph_def):
@@ -94,6 +109,18 @@ class UnknownTensor:
     shape: str
     dtype: str
     known_bytes: int  # bytes of the known dims (a lower bound)
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """Memory of one GPU in one step (graphs that place ops on several GPUs have one per GPU)."""
+
+    device: str
+    ops: int  # ops the step runs on this GPU
+    peak_bytes: int
+    resident_bytes: int
+    lower_bound_bytes: int
+    swappable_tensors: int
 
 
 @dataclass(frozen=True)
@@ -127,6 +154,8 @@ class Analysis:
     unknown_tensors: int
     largest_unknown: tuple[UnknownTensor, ...]
     top_live_at_peak: tuple[OpInfo, ...]
+    devices: tuple[DeviceFacts, ...] = ()
+    device: str = ""  # the GPU the figures above describe (the one needing the most memory)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -224,6 +253,16 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
         param_bytes = sum(variable_bytes(view, i) for i in var_nodes if view.names[i] in trainable)
     cands = candidates(view, schedule, filters, prepared.fused)
     lb, lb_pos = lower_bound(prepared, set(cands), result)
+    devices = []
+    for other in prepared.schedules or (schedule,):
+        if other is schedule:
+            facts = (result.peak_bytes, lb, len(cands))
+        else:
+            alone = prepared.for_device(other.device)
+            other_cands = candidates(view, other, filters, prepared.fused)
+            base = simulate(other)
+            facts = (base.peak_bytes, lower_bound(alone, set(other_cands), base)[0], len(other_cands))
+        devices.append(DeviceFacts(other.device, sum(other.on_gpu), facts[0], other.resident_bytes, facts[1], facts[2]))
     unknown = []
     for i in active:
         for k, info in enumerate(view.outputs(i)):
@@ -270,4 +309,6 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
         unknown_tensors=len(unknown),
         largest_unknown=tuple(unknown[:5]),
         top_live_at_peak=tuple(top),
+        devices=tuple(devices),
+        device=schedule.device,
     )

@@ -44,36 +44,51 @@ def rewrite(prepared: Prepared, plan: Plan, host_device: str = DEFAULT_HOST_DEVI
 
 
 def check_with_grappler(prepared: Prepared, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE) -> dict:
-    """Grappler's estimate of the rewritten graph (tensors on the virtual GPU, plus resident bytes)."""
+    """Grappler's estimate of the rewritten graph (tensors on each virtual GPU, plus the bytes
+    resident there). ``per_device`` holds each GPU's figures; the top-level ones are the largest."""
     from lmscli import grappler
 
     meta, _ = rewrite(prepared, plan, host_device=host_device, force=True)
     estimate = grappler.estimate_peak(meta, prepared.model.fetches)
-    total = estimate.gpu_peak_bytes + prepared.schedule.resident_bytes
     budget = int(plan.device.get("budget_bytes", 0))
-    return {"peak_bytes": total, "tensor_peak_bytes": estimate.gpu_peak_bytes,
-            "host_peak_bytes": estimate.host_peak_bytes, "fits": total <= budget if budget else None}
+    per_device = {}
+    for schedule in prepared.schedules or (prepared.schedule,):
+        tensors = estimate.gpu_peaks.get(schedule.device, 0)
+        total = tensors + schedule.resident_bytes
+        per_device[schedule.device] = {"peak_bytes": total, "tensor_peak_bytes": tensors,
+                                       "fits": total <= budget if budget else None}
+    worst = max(per_device.values(), key=lambda f: f["peak_bytes"])
+    figures = {"peak_bytes": worst["peak_bytes"], "tensor_peak_bytes": worst["tensor_peak_bytes"],
+               "host_peak_bytes": estimate.host_peak_bytes,
+               "fits": all(f["fits"] for f in per_device.values()) if budget else None}
+    if len(per_device) > 1:
+        figures["per_device"] = per_device
+    return figures
 
 
 def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(), check: bool = True,
          host_device: str = DEFAULT_HOST_DEVICE) -> TuneResult:
     """Plan with the simulator, then check the plan with Grappler; tighten and retry while Grappler
-    says it does not fit. The Grappler figures are stored in ``plan.grappler``."""
+    says it does not fit (per GPU, for graphs placed on several). The Grappler figures are stored
+    in ``plan.grappler``."""
     from lmscli.planner import tune as plan_tune
 
-    margin = 0
+    margins: dict[str, int] = {}
     result = plan_tune(prepared, device, options)
     if not check:
         return result
     for round_ in range(1, GRAPPLER_ROUNDS + 1):
         figures = check_with_grappler(prepared, result.plan, host_device)
         figures["rounds"] = round_
-        figures["margin_bytes"] = margin
+        figures["margin_bytes"] = max(margins.values(), default=0)
         result = replace(result, plan=replace(result.plan, grappler=figures))
         if figures["fits"] or (options.strategy == "tflms" and options.tflms is not None):
             return result
-        margin += max(figures["peak_bytes"] - device.budget, device.budget // 200)
-        result = plan_tune(prepared, device, options, margin=margin)
+        per_device = figures.get("per_device") or {prepared.schedule.device: figures}
+        for name, f in per_device.items():
+            if not f["fits"]:
+                margins[name] = margins.get(name, 0) + max(f["peak_bytes"] - device.budget, device.budget // 200)
+        result = plan_tune(prepared, device, options, margin=dict(margins))
     raise NoFitError(f"the simulator found plans, but Grappler's estimate stayed over the budget after "
                      f"{GRAPPLER_ROUNDS} rounds (last {figures['peak_bytes']:,} bytes > {device.budget:,}); "
                      "try a slightly larger --gpu-mem")
@@ -130,31 +145,40 @@ def save(model: Model, meta_graph, path: str) -> str:
 
 
 def with_link_predictions(prepared: Prepared, result: TuneResult) -> TuneResult:
-    """Add the plan's predicted step time on each named link to ``plan.predicted['per_link']``."""
+    """Add the plan's predicted step time on each named link to ``plan.predicted['per_link']``
+    (for graphs on several GPUs: the slowest GPU's step)."""
     from lmscli.device import LINKS
     from lmscli.plan import to_sim
     from lmscli.simulator import simulate
 
-    swaps = to_sim(result.plan.swaps, prepared.schedule)
-    base = result.baseline.step_time
     per_link = {}
     for name in ("nvlink2", "pcie3"):
-        sim = simulate(prepared.schedule, swaps, LINKS[name])
-        per_link[name] = {"step_time_s": sim.step_time, "overhead": round(sim.step_time / base - 1.0, 6) if base else 0.0,
-                          "peak_bytes": sim.peak_bytes}
+        base = step = 0.0
+        peak = 0
+        for schedule in prepared.schedules or (prepared.schedule,):
+            sim = simulate(schedule, to_sim(result.plan.swaps, schedule), LINKS[name], detail=False)
+            base = max(base, simulate(schedule, (), LINKS[name], detail=False).step_time)
+            step, peak = max(step, sim.step_time), max(peak, sim.peak_bytes)
+        per_link[name] = {"step_time_s": step, "overhead": round(step / base - 1.0, 6) if base else 0.0,
+                          "peak_bytes": peak}
     predicted = dict(result.plan.predicted, per_link=per_link)
     return replace(result, plan=replace(result.plan, predicted=predicted))
 
 
 def replay(prepared: Prepared, plan: Plan) -> TuneResult:
-    """Simulate a given plan (e.g. one read with --plan) as a TuneResult, for reports and plots."""
+    """Simulate a given plan (e.g. one read with --plan) as a TuneResult, for reports and plots; for
+    a graph on several GPUs, as seen by the GPU that needs the most memory with the plan."""
     from lmscli.device import Device
     from lmscli.plan import to_sim
     from lmscli.planner import predicted
     from lmscli.simulator import simulate
 
     device = Device.from_dict(plan.device) if plan.device else Device(gpu_mem=1 << 50)
-    baseline = simulate(prepared.schedule, (), device.link_bandwidth)
-    result = simulate(prepared.schedule, to_sim(plan.swaps, prepared.schedule), device.link_bandwidth)
+    replays = []
+    for schedule in prepared.schedules or (prepared.schedule,):
+        baseline = simulate(schedule, (), device.link_bandwidth)
+        result = simulate(schedule, to_sim(plan.swaps, schedule), device.link_bandwidth)
+        replays.append((result.peak_bytes, schedule.device, baseline, result))
+    _peak, _name, baseline, result = max(replays, key=lambda r: r[0])
     filled = replace(plan, predicted=predicted(baseline, result, device.budget))
     return TuneResult(filled, baseline, result, device.budget, bool(plan.swaps), ())

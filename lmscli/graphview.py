@@ -17,6 +17,7 @@ Structure rules follow TensorFlow's executor:
 from __future__ import annotations
 
 import heapq
+import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -27,6 +28,38 @@ CONTROL_FLOW_OPS = frozenset(
      "NextIteration", "RefNextIteration", "LoopCond", "ControlTrigger"}
 )
 VARIABLE_OPS = frozenset({"VarHandleOp", "VariableV2", "Variable", "AutoReloadVariable"})
+DEFAULT_GPU = "/device:GPU:0"
+_DEVICE_PART = re.compile(r"/?(job|replica|task|device|cpu|gpu):?([^/]*)", re.IGNORECASE)
+
+
+def gpu_key(device: str) -> str | None:
+    """The accelerator a node's ``device`` string names, in one canonical spelling; None for a CPU.
+
+    ``""`` (unplaced: TensorFlow's placer puts it on the first GPU) and ``/device:GPU:0``,
+    ``/gpu:0`` or ``/job:localhost/replica:0/task:0/device:GPU:0`` are all ``/device:GPU:0``;
+    another job or task is kept (``/job:worker/task:1/device:GPU:0``).
+    """
+    job = task = kind = index = None
+    for key, value in _DEVICE_PART.findall(device or ""):
+        key = key.lower()
+        if key == "job":
+            job = value
+        elif key == "task":
+            task = value
+        elif key in ("cpu", "gpu"):
+            kind, index = key.upper(), value
+        elif key == "device":
+            kind, _, index = value.upper().rpartition(":") if ":" in value else (value.upper(), "", "")
+    if kind is not None and "CPU" in kind and "GPU" not in kind:
+        return None
+    prefix = ""
+    if job and job != "localhost":
+        prefix = f"/job:{job}" + (f"/task:{task}" if task else "")
+    elif task and task != "0":
+        prefix = f"/task:{task}"
+    if kind is None or "GPU" not in kind:
+        return prefix + DEFAULT_GPU
+    return f"{prefix}/device:GPU:{int(index) if index.isdigit() else 0}"
 
 
 @dataclass(frozen=True)
@@ -71,6 +104,7 @@ class GraphView:
         self.names: list[str] = [n.name for n in nodes]
         self.ops: list[str] = [n.op for n in nodes]
         self.devices: list[str] = [n.device for n in nodes]
+        self.gpus: list[str | None] = [gpu_key(d) for d in self.devices]  # None: placed on a CPU
         self.index: dict[str, int] = {}
         duplicates = []
         for i, name in enumerate(self.names):
@@ -261,8 +295,7 @@ class GraphView:
 
     def on_host(self, i: int) -> bool:
         """True when the node is explicitly placed on a CPU: its outputs do not use GPU memory."""
-        device = self.devices[i].lower()
-        return "cpu" in device and "gpu" not in device
+        return self.gpus[i] is None
 
     def in_loop(self, i: int) -> bool:
         return bool(self.frames[i])

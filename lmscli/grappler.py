@@ -7,7 +7,7 @@ variable storage, so callers add resident bytes themselves.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lmscli.errors import LmsError
 from lmscli.tfimport import tensorflow
@@ -18,12 +18,13 @@ CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
 
 @dataclass(frozen=True)
 class GrapplerEstimate:
-    gpu_peak_bytes: int  # tensors only (no variable storage)
+    gpu_peak_bytes: int  # tensors only (no variable storage); the largest over the GPUs
     host_peak_bytes: int
     live_at_peak: tuple[tuple[str, int, int], ...]  # (node, output, bytes), largest first
+    gpu_peaks: dict = field(default_factory=dict)  # GPU (graphview.gpu_key) -> tensor peak bytes
 
 
-def _cluster(gpu_mem: int):
+def _cluster(gpu_mem: int, num_gpus: int = 1):
     tensorflow()
     from tensorflow.core.protobuf import device_properties_pb2
     from tensorflow.python.grappler import cluster as gcluster
@@ -36,53 +37,63 @@ def _cluster(gpu_mem: int):
     cpu = device_properties_pb2.DeviceProperties(
         type="CPU", frequency=2000, num_cores=2, memory_size=1 << 40, bandwidth=50_000_000,
     )
+    gpus = [device_properties_pb2.NamedDevice(name=_virtual_gpu(k), properties=gpu) for k in range(num_gpus)]
     return gcluster.Cluster(
         disable_detailed_stats=False, disable_timeline=False,
-        devices=[device_properties_pb2.NamedDevice(name=GPU, properties=gpu),
-                 device_properties_pb2.NamedDevice(name=CPU, properties=cpu)],
+        devices=gpus + [device_properties_pb2.NamedDevice(name=CPU, properties=cpu)],
     )
 
 
+def _virtual_gpu(k: int) -> str:
+    return GPU[: -1] + str(k)
+
+
 def placed_metagraph(meta_graph, fetches):
-    """A copy of ``meta_graph`` with unplaced nodes on the virtual GPU and a ``train_op`` collection."""
+    """A copy of ``meta_graph`` placed on the virtual cluster, with a ``train_op`` collection, and
+    the GPUs it uses: ``(meta, gpus)``. Each GPU the graph names (unplaced nodes are on the first
+    one, as TensorFlow's placer does) becomes a virtual GPU; ``gpus[k]`` is virtual GPU ``k``'s
+    name in the graph (:func:`lmscli.graphview.gpu_key`); nodes on a CPU go to the host."""
     tensorflow()
     from tensorflow.core.protobuf import meta_graph_pb2
 
+    from lmscli.graphview import gpu_key
+
     meta = meta_graph_pb2.MetaGraphDef()
     meta.CopyFrom(meta_graph)
-    for node in meta.graph_def.node:
-        device = node.device.lower()
-        if not device:
-            node.device = GPU
-        elif "cpu" in device:
-            node.device = CPU
-        elif "gpu" in device:
-            node.device = GPU
+    keys = [gpu_key(node.device) for node in meta.graph_def.node]
+    gpus = sorted({k for k in keys if k is not None})
+    virtual = {key: _virtual_gpu(k) for k, key in enumerate(gpus)}
+    for node, key in zip(meta.graph_def.node, keys):
+        node.device = CPU if key is None else virtual[key]
     meta.collection_def["train_op"].Clear()
     meta.collection_def["train_op"].node_list.value.extend(fetches)
-    return meta
+    return meta, tuple(gpus)
 
 
 def estimate_peak(meta_graph, fetches, gpu_mem: int = 1 << 50) -> GrapplerEstimate:
     """Grappler's peak memory per device for one step fetching ``fetches``."""
     from tensorflow.python.grappler import item as gitem
 
-    meta = placed_metagraph(meta_graph, fetches)
+    meta, gpus = placed_metagraph(meta_graph, fetches)
     try:
         item = gitem.Item(meta)
-        peaks = _cluster(gpu_mem).DeterminePeakMemoryUsage(item)
+        peaks = _cluster(gpu_mem, max(len(gpus), 1)).DeterminePeakMemoryUsage(item)
     except Exception as exc:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise LmsError(f"Grappler could not estimate the graph's memory: {text}") from None
-    gpu_peak = host_peak = 0
+    names = {_virtual_gpu(k): key for k, key in enumerate(gpus)}
+    gpu_peaks: dict[str, int] = {}
+    host_peak = 0
     live = ()
-    for device, (peak, tensors) in peaks.items():
-        if "GPU" in device.upper():
-            gpu_peak = int(peak)
-            live = tuple(sorted(((t[0], int(t[1]), int(t[2])) for t in tensors), key=lambda x: (-x[2], x[0], x[1])))
+    for device in sorted(peaks):
+        peak, tensors = peaks[device]
+        if device in names:
+            gpu_peaks[names[device]] = int(peak)
+            if int(peak) >= max(gpu_peaks.values()):
+                live = tuple(sorted(((t[0], int(t[1]), int(t[2])) for t in tensors), key=lambda x: (-x[2], x[0], x[1])))
         else:
             host_peak = max(host_peak, int(peak))
-    return GrapplerEstimate(gpu_peak, host_peak, live)
+    return GrapplerEstimate(max(gpu_peaks.values(), default=0), host_peak, live, gpu_peaks)
 
 
 @dataclass(frozen=True)
@@ -98,9 +109,9 @@ def _step_stats(meta_graph, fetches, gpu_mem: int = 1 << 50):
     """One run of Grappler's virtual scheduler on a virtual GPU: its StepStats."""
     from tensorflow.python.grappler import item as gitem
 
-    meta = placed_metagraph(meta_graph, fetches)
+    meta, gpus = placed_metagraph(meta_graph, fetches)
     try:
-        _perfs, _run_time, step_stats = _cluster(gpu_mem).MeasureCosts(gitem.Item(meta))
+        _perfs, _run_time, step_stats = _cluster(gpu_mem, max(len(gpus), 1)).MeasureCosts(gitem.Item(meta))
     except Exception as exc:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise LmsError(f"Grappler could not schedule the graph: {text}") from None

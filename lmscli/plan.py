@@ -32,6 +32,7 @@ class PlannedSwap:
     swap_ins: tuple[PlannedSwapIn, ...]
     sync_out: bool = False  # near consumers wait for the swap-out
     waiters: tuple[str, ...] = ()  # other ops that wait for the swap-out
+    gpu: str = ""  # the GPU whose memory the swap relieves ("" in plans made before multi-GPU support)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class Plan:
                     tensor=s["tensor"], bytes=int(s["bytes"]), near=tuple(s.get("near", ())),
                     swap_ins=tuple(PlannedSwapIn(tuple(g["consumers"]), g["trigger"]) for g in s["swap_ins"]),
                     sync_out=bool(s.get("sync_out", False)), waiters=tuple(s.get("waiters", ())),
+                    gpu=str(s.get("gpu", "")),
                 )
                 for s in data["swaps"]
             )
@@ -108,7 +110,8 @@ def tensor_ids(schedule: Schedule) -> dict[str, int]:
 
 
 def to_sim(plan_swaps, schedule: Schedule) -> list[SimSwap]:
-    """Map named swaps onto ``schedule`` positions; raises PlanError for names it does not know."""
+    """Map named swaps of ``schedule``'s GPU onto its positions; raises PlanError for names it does
+    not know."""
     ids = tensor_ids(schedule)
     position = {name: k for k, name in enumerate(schedule.names)}
 
@@ -119,6 +122,8 @@ def to_sim(plan_swaps, schedule: Schedule) -> list[SimSwap]:
 
     out = []
     for swap in plan_swaps:
+        if swap.gpu and swap.gpu != schedule.device:
+            continue
         if swap.tensor not in ids:
             raise PlanError(f"the plan swaps {swap.tensor!r}, which is not a tensor of this graph's step")
         groups = tuple(
@@ -143,5 +148,6 @@ def from_sim(sim_swaps, schedule: Schedule) -> tuple[PlannedSwap, ...]:
                            for g in s.groups),
             sync_out=s.sync_out,
             waiters=tuple(schedule.names[w] for w in s.waiters),
+            gpu=schedule.device,
         ))
     return tuple(out)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import functools
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -63,9 +63,12 @@ class TuneResult:
     budget: int
     necessary: bool
     log: tuple[str, ...] = field(default=())
+    per_device: tuple = field(default=())  # (GPU, TuneResult) per GPU, for graphs placed on several
 
     @property
     def fits(self) -> bool:
+        if self.per_device:
+            return all(r.fits for _, r in self.per_device)
         return self.result.peak_bytes <= self.budget
 
 
@@ -542,8 +545,15 @@ def plan_tflms(ctx: _Context, budget_act: int, log: list[str],
 
 
 # ---------------------------------------------------------------------------- entry point
-def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(), margin: int = 0) -> TuneResult:
-    """Find a plan that fits ``device`` (less ``margin`` bytes). Raises NoFitError when none can."""
+def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(), margin=0) -> TuneResult:
+    """Find a plan that fits ``device`` (less ``margin`` bytes). Raises NoFitError when none can.
+
+    A graph that places ops on several GPUs gets one plan per GPU, each for a ``device`` of its own
+    (``margin`` may then map GPU names to margins), merged into one plan."""
+    if len(prepared.schedules) > 1:
+        return _tune_each_gpu(prepared, device, options, margin)
+    if isinstance(margin, dict):
+        margin = margin.get(prepared.schedule.device, 0)
     ctx = _Context(prepared, device, options.filters)
     sched = ctx.schedule
     log: list[str] = []
@@ -586,6 +596,37 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
         predicted=predicted(baseline, result, budget),
     )
     return TuneResult(plan, baseline, result, budget, necessary, tuple(log))
+
+
+def _tune_each_gpu(prepared: Prepared, device: Device, options: TuneOptions, margin) -> TuneResult:
+    """One plan per GPU, merged: swaps of every GPU, figures of the GPU that needs the most, and
+    per-GPU figures in ``predicted['per_device']``. Log lines say which GPU, as TFLMS's [LMS][k]."""
+    results = []
+    for k, name in enumerate(prepared.devices):
+        try:
+            result = tune(prepared.for_device(name), device, options,
+                          margin.get(name, 0) if isinstance(margin, dict) else margin)
+        except NoFitError as exc:
+            raise NoFitError(f"on {name}: {exc}") from None
+        log = tuple(line.replace("[LMS]", f"[LMS][{k}]", 1) for line in result.log)
+        results.append((name, replace(result, log=log)))
+    worst = max((r for _, r in results), key=lambda r: r.result.peak_bytes)
+    plans = [r.plan for _, r in results]
+    params = plans[0].parameters if all(p.parameters == plans[0].parameters for p in plans) else {
+        name: r.plan.parameters for name, r in results}
+    figures = {name: r.plan.predicted for name, r in results}
+    pred = dict(worst.plan.predicted)
+    for key in ("host_peak_bytes", "swap_out_bytes", "swap_in_bytes", "swap_outs", "swap_ins"):
+        pred[key] = sum(f[key] for f in figures.values())
+    for key in ("peak_bytes_without_plan", "step_time_without_plan_s", "step_time_s"):
+        pred[key] = max(f[key] for f in figures.values())
+    base_time = pred["step_time_without_plan_s"]
+    pred["overhead"] = round(pred["step_time_s"] / base_time - 1.0, 6) if base_time else 0.0
+    pred["per_device"] = figures
+    plan = replace(worst.plan, parameters=params, predicted=pred,
+                   swaps=tuple(swap for p in plans for swap in p.swaps))
+    return TuneResult(plan, worst.baseline, worst.result, worst.budget, any(r.necessary for _, r in results),
+                      tuple(line for _, r in results for line in r.log), tuple(results))
 
 
 def _best_plan(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str], options: TuneOptions, lb: int):

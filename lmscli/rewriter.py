@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lmscli.errors import GraphError, PlanError
-from lmscli.graphview import GraphView, parse_input
+from lmscli.graphview import GraphView, gpu_key, parse_input
 from lmscli.plan import Plan
 
 SCOPE = "lms/"
@@ -55,6 +55,16 @@ def has_lms_nodes(graph_def) -> bool:
 
 def _safe(name: str) -> str:
     return name.replace("/", "_").replace(":", "_")
+
+
+def host_for(producer_device: str, host_device: str) -> str:
+    """The host a swap node of a tensor made on ``producer_device`` goes to: ``host_device``, on
+    the producer's job and task when the graph spans several (``/job:worker/task:1`` + ``/device:CPU:0``)."""
+    if host_device.startswith("/job:") or host_device.startswith("/task:"):
+        return host_device
+    gpu = gpu_key(producer_device) or ""
+    prefix = gpu.split("/device:", 1)[0]
+    return prefix + host_device
 
 
 def _tensor_ref(node: str, output: int) -> str:
@@ -118,12 +128,13 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
         if dtype is None:
             raise PlanError(f"cannot tell the dtype of {swap.tensor!r}")
         swapout = unique(f"{SCOPE}swapout/{_safe(producer)}_{output}")
-        add_identity(swapout, _tensor_ref(producer, output), dtype, host_device)
+        host = host_for(nodes[producer].device, host_device)
+        add_identity(swapout, _tensor_ref(producer, output), dtype, host)
         out_bytes += swap.bytes
         refs = {_tensor_ref(producer, output), f"{producer}:{output}"}
         for g, group in enumerate(swap.swap_ins):
             swapin = unique(f"{SCOPE}swapin/{_safe(producer)}_{output}/{g}")
-            node = add_identity(swapin, swapout, dtype, host_device)
+            node = add_identity(swapin, swapout, dtype, host)
             if group.trigger not in nodes:
                 raise PlanError(f"the plan's trigger {group.trigger!r} is not in the graph")
             node.input.append("^" + group.trigger)

@@ -18,7 +18,7 @@ import heapq
 from dataclasses import dataclass
 
 from lmscli.costmodel import op_time
-from lmscli.graphview import VARIABLE_OPS, GraphView
+from lmscli.graphview import DEFAULT_GPU, VARIABLE_OPS, GraphView
 
 CONSTANT_OPS = frozenset({"Const", "HostConst"})
 
@@ -42,8 +42,9 @@ class Schedule:
     on_gpu: tuple[bool, ...]
     tensors: tuple[SimTensor, ...]
     inputs: tuple[tuple[int, ...], ...]  # ids of the counted tensors each position reads
-    variable_bytes: int
+    variable_bytes: int  # variables placed on this GPU (resident for the whole step)
     constant_bytes: int
+    device: str = DEFAULT_GPU  # the GPU this schedule describes (graphs may place ops on several)
 
     @property
     def resident_bytes(self) -> int:
@@ -112,19 +113,23 @@ def first_ready_order(view: GraphView, active: set[int], cost: dict[int, int],
     return order
 
 
-def build_schedule(view: GraphView, fetches, flops: float = 15.7e12, mem_bandwidth: float = 900e9,
-                   trace=None) -> Schedule:
-    """Order the ops that a step of ``fetches`` runs and describe their tensors.
+def build_schedules(view: GraphView, fetches, flops: float = 15.7e12, mem_bandwidth: float = 900e9,
+                    trace=None) -> tuple[Schedule, ...]:
+    """Order the ops that a step of ``fetches`` runs and describe their tensors, once per GPU.
 
     ``trace`` (a :class:`lmscli.grappler.Trace`) supplies Grappler's execution order and op times;
-    without it, our roofline cost model and first-ready list scheduling are used.
+    without it, our roofline cost model and first-ready list scheduling are used. All schedules
+    share one order; in the schedule of GPU ``d`` only ``d``'s ops take time and count as on the
+    GPU (other GPUs run in parallel, as host ops do). One schedule, of the default GPU, when no op
+    names another; schedules come sorted by device name.
     """
     roots = [view.index[name] for name in fetches]
     active = view.ancestors(roots)
-    host = {i for i in active if view.on_host(i) or (trace is not None and view.names[i] in trace.on_host)}
+    on_host = trace.on_host if trace is not None else frozenset()
+    gpu_of = {i: None if view.names[i] in on_host else view.gpus[i] for i in active}
     cost = {}
     for i in active:
-        if i in host:
+        if gpu_of[i] is None:
             cost[i] = 0
         elif trace is not None and view.names[i] in trace.micros:
             cost[i] = trace.micros[view.names[i]]
@@ -134,9 +139,22 @@ def build_schedule(view: GraphView, fetches, flops: float = 15.7e12, mem_bandwid
     if trace is not None:
         rank = {view.index[name]: r for r, name in enumerate(trace.order) if name in view.index}
     order = first_ready_order(view, active, cost, rank)
+    devices = sorted({g for g in gpu_of.values() if g is not None}) or [DEFAULT_GPU]
+    return tuple(_describe(view, order, cost, [gpu_of[i] == device for i in order], device) for device in devices)
+
+
+def build_schedule(view: GraphView, fetches, flops: float = 15.7e12, mem_bandwidth: float = 900e9,
+                   trace=None) -> Schedule:
+    """The schedule of the first GPU (see :func:`build_schedules`)."""
+    return build_schedules(view, fetches, flops, mem_bandwidth, trace)[0]
+
+
+def _describe(view: GraphView, order: list[int], cost: dict, on_gpu: list[bool], device: str) -> Schedule:
+    """The schedule of ``order`` as seen by one GPU: ``on_gpu`` marks its ops."""
     position = {node: pos for pos, node in enumerate(order)}
-    on_gpu = tuple(i not in host for i in order)
-    var_bytes = sum(variable_bytes(view, i) for i in order if view.ops[i] in VARIABLE_OPS)
+    on_gpu = tuple(on_gpu)
+    var_bytes = sum(variable_bytes(view, i) for pos, i in enumerate(order)
+                    if view.ops[i] in VARIABLE_OPS and on_gpu[pos])
     const_bytes = 0
     tensors: list[SimTensor] = []
     inputs: list[list[int]] = [[] for _ in order]
@@ -162,7 +180,7 @@ def build_schedule(view: GraphView, fetches, flops: float = 15.7e12, mem_bandwid
             tensors.append(SimTensor(tid, pos, output, size, readers))
             for reader in readers:
                 inputs[reader].append(tid)
-    compute = tuple(cost[i] for i in order)
+    compute = tuple(cost[i] if on_gpu[pos] else 0 for pos, i in enumerate(order))
     return Schedule(
         nodes=tuple(order),
         names=tuple(view.names[i] for i in order),
@@ -174,4 +192,5 @@ def build_schedule(view: GraphView, fetches, flops: float = 15.7e12, mem_bandwid
         inputs=tuple(tuple(x) for x in inputs),
         variable_bytes=var_bytes,
         constant_bytes=const_bytes,
+        device=device,
     )

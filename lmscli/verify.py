@@ -424,9 +424,14 @@ def _figures(model, fetches, batch_size, measure: bool, notes: list, label: str,
         raise InputError(f"{model.path}: placeholder {unknown[0]} has an unknown dimension; pass --batch-size N")
     meta = api.with_graph_def(model.meta_graph, prepared.graph_def)
     schedule = prepared.schedule
+    if len(prepared.devices) > 1:
+        notes.append(f"{label}: the graph places ops on {len(prepared.devices)} GPUs ({', '.join(prepared.devices)}); "
+                     f"the stand-in device runs them all, so the measured peak covers all of them while the "
+                     f"simulated and Grappler peaks are those of {schedule.device}, the GPU that needs the most")
     simulated = simulate(schedule).peak_bytes
     try:
-        grappler_peak = grappler.estimate_peak(meta, model.fetches).gpu_peak_bytes + schedule.variable_bytes
+        estimate = grappler.estimate_peak(meta, model.fetches)
+        grappler_peak = estimate.gpu_peaks.get(schedule.device, estimate.gpu_peak_bytes) + schedule.variable_bytes
     except LmsError as exc:
         notes.append(f"{label}: {exc}")
         grappler_peak = None

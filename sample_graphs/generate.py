@@ -59,6 +59,7 @@ DEFAULTS = {
     "cond_cnn": dict(batch=4, image_size=16, channels=3, classes=10),
     "synthetic": dict(nodes=10000, batch=8, width=32),
     "frozen_cnn": dict(batch=1, image_size=32, channels=3, classes=10),
+    "two_gpu_cnn": dict(batch=8, image_size=32, channels=3, classes=10),
 }
 
 MODELS = tuple(DEFAULTS)
@@ -350,6 +351,43 @@ def _cond_cnn(net, batch, image_size, channels, classes):
     return {"images": x, "labels": y, "loss": loss}
 
 
+def _two_gpu_cnn(net, batch, image_size, channels, classes):
+    """Data parallel over two GPUs: variables on the host, one tower per GPU on half the batch,
+    gradients averaged on the host (the classic TF1 multi-tower pattern)."""
+    x = v1.placeholder(tf.float32, [batch, image_size, image_size, channels], name="images")
+    y = v1.placeholder(tf.float32, [batch, classes], name="labels")
+    widths = (channels, 32, 32, 64, 64, 64)
+    with tf.device("/device:CPU:0"):
+        convs = []
+        for i in range(5):
+            with v1.variable_scope("conv%d" % (i + 1)):
+                convs.append((net.weight("weights", [3, 3, widths[i], widths[i + 1]], 9 * widths[i]),
+                              net.const_var("biases", [widths[i + 1]], 0.0)))
+        flat = (image_size // 4) ** 2 * widths[-1]
+        with v1.variable_scope("logits"):
+            dense = (net.weight("weights", [flat, classes], flat), net.const_var("biases", [classes], 0.0))
+    opt = v1.train.MomentumOptimizer(0.01, 0.9)
+    tower_losses, tower_grads = [], []
+    for k, (xk, yk) in enumerate(zip(tf.split(x, 2, name="split_images"), tf.split(y, 2, name="split_labels"))):
+        with tf.device("/device:GPU:%d" % k), v1.name_scope("tower%d" % k):
+            h = xk
+            for i, (w, b) in enumerate(convs):
+                h = tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(h, w, 1, "SAME"), b))
+                if i in (1, 3):
+                    h = tf.nn.max_pool2d(h, 2, 2, "SAME")
+            h = tf.reshape(h, [batch // 2, flat])
+            logits = tf.nn.bias_add(tf.matmul(h, dense[0]), dense[1])
+            loss_k = tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(labels=yk, logits=logits))
+            tower_losses.append(loss_k)
+            tower_grads.append(opt.compute_gradients(loss_k, colocate_gradients_with_ops=True))
+    with tf.device("/device:CPU:0"):
+        loss = tf.identity(tf.add_n(tower_losses) / 2.0, name="loss")
+        averaged = [(tf.add_n([g for g, _ in pair]) / 2.0, pair[0][1]) for pair in zip(*tower_grads)]
+        train_op = tf.group(opt.apply_gradients(averaged, name="apply_gradients"), name="train_op")
+    v1.add_to_collection("train_op", train_op)
+    return {"images": x, "labels": y, "loss": loss}
+
+
 def _synthetic_blocks(net, blocks, batch, width):
     """A deep residual stack of small dense blocks with a loss and GradientDescent."""
     x = v1.placeholder(tf.float32, [batch, width], name="inputs")
@@ -371,7 +409,9 @@ _BODIES = {
     "unknown_batch": _unknown_batch,
     "while_rnn": _while_rnn,
     "cond_cnn": _cond_cnn,
+    "two_gpu_cnn": _two_gpu_cnn,
 }
+DEVICE_MODELS = ("two_gpu_cnn",)  # models whose ops keep the devices they were built on
 
 
 # --------------------------------------------------------------------------
@@ -413,13 +453,13 @@ _CONTEXT_PROTOS = {
 }
 
 
-def _export(graph):
-    # No node has a device. (clear_devices=True would take a per-node Python
-    # path in export_meta_graph that is quadratic on very large graphs.)
+def _export(graph, keep_devices=False):
+    # No node has a device, except in DEVICE_MODELS. (clear_devices=True would take a per-node
+    # Python path in export_meta_graph that is quadratic on very large graphs.)
     with graph.as_default():  # export_meta_graph refuses to run eagerly
         meta = v1.train.export_meta_graph(graph=graph, clear_devices=False)
     for node in meta.graph_def.node:
-        if node.device:
+        if node.device and not keep_devices:
             node.device = ""
     # v1 control-flow contexts are stored as serialised protos holding maps
     # (external_values), whose byte order varies from process to process.
@@ -452,7 +492,7 @@ def build(model, **shape_kwargs):
     if "hidden" in args and not isinstance(args["hidden"], int):
         args["hidden"] = tuple(int(u) for u in args["hidden"])
     graph, _ = _build_graph(model, args)
-    return _export(graph)
+    return _export(graph, keep_devices=model in DEVICE_MODELS)
 
 
 def synthetic(num_nodes, batch=8, width=32):
@@ -584,6 +624,7 @@ SAMPLES = {
     "unknown_batch": (["unknown_batch.meta"], "small CNN with batch dimension None, GradientDescent"),
     "while_rnn": (["while_rnn.meta"], "RNN in a v1 while_loop (8 steps), GradientDescent"),
     "cond_cnn": (["cond_cnn.meta"], "small CNN with a v1 cond between two conv branches, Momentum"),
+    "two_gpu_cnn": (["two_gpu_cnn.meta"], "5-conv CNN data parallel on /device:GPU:0 and GPU:1, variables on CPU:0, Momentum"),
 }
 
 
@@ -657,7 +698,7 @@ def check_meta(path, unknown_dim=2, seed=0):
                 shape = [unknown_dim if d is None else d for d in t.shape.as_list()]
                 feeds[t] = rng.random_sample(shape).astype(t.dtype.as_numpy_dtype)
         init = v1.global_variables_initializer()
-        config = v1.ConfigProto(inter_op_parallelism_threads=1)
+        config = v1.ConfigProto(inter_op_parallelism_threads=1, allow_soft_placement=True)
         with v1.Session(graph=g, config=config) as sess:
             sess.run(init)
             t0 = time.time()

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmscli.errors import GraphError
-from lmscli.graphview import GraphView, parse_input
+from lmscli.graphview import GraphView, gpu_key, parse_input
 from tests.conftest import graph_def_from_nodes
 
 
@@ -123,3 +123,17 @@ def test_cond_depth():
                                            ("^a", ("a", -1, True)), ("a/b:c", ("a/b:c", 0, False))])
 def test_parse_input(text, expected):
     assert parse_input(text) == expected
+
+
+@pytest.mark.parametrize("device,key", [
+    ("", "/device:GPU:0"),
+    ("/device:GPU:0", "/device:GPU:0"),
+    ("/gpu:1", "/device:GPU:1"),
+    ("/job:localhost/replica:0/task:0/device:GPU:0", "/device:GPU:0"),
+    ("/job:worker/task:1/device:GPU:2", "/job:worker/task:1/device:GPU:2"),
+    ("/device:CPU:0", None),
+    ("/cpu:0", None),
+    ("/job:localhost/replica:0/task:0/device:CPU:0", None),
+])
+def test_gpu_keys(device, key):
+    assert gpu_key(device) == key
