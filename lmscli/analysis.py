@@ -196,15 +196,51 @@ def largest_op(view: GraphView, nodes) -> OpInfo | None:
     return OpInfo(best[1], best[2], best[0]) if best else None
 
 
+@dataclass(frozen=True)
+class Bound:
+    """The instant that binds the lower bound, and why it binds."""
+
+    bytes: int  # the lower bound (resident bytes included)
+    position: int | None  # an op running at the binding instant
+    time_us: int
+    ops: tuple[int, ...]  # positions of the ops running at that instant
+    pinned_bytes: int  # live tensors that cannot be swapped
+    touched_bytes: int  # swappable tensors the running ops read or write
+    largest: tuple[tuple[str, int, bool], ...]  # (tensor, bytes, swappable) held then, largest first
+
+    def explain(self, schedule: Schedule, budget: int) -> str:
+        """One sentence for an error message: what the step holds at the binding instant."""
+        from lmscli.units import format_size
+
+        if self.position is None:
+            return f"the resident variables alone need {format_size(self.bytes)} > {format_size(budget)}"
+        first = schedule.names[self.ops[0]]
+        when = (f"when {first} ({schedule.ops[self.ops[0]]}) runs" if len(self.ops) == 1 else
+                f"at {self.time_us / 1000:.3f} ms, where {len(self.ops)} ops run at one instant (ops that take no "
+                f"time share one, as in Grappler's accounting; e.g. {first})")
+        held = ", ".join(f"{name} {format_size(size)}" for name, size, _ in self.largest[:3])
+        return (f"{when} the step holds {format_size(self.pinned_bytes)} of tensors that cannot be swapped and "
+                f"{format_size(self.touched_bytes)} that the running ops read or write (largest: {held}); "
+                f"with {format_size(schedule.resident_bytes)} resident (variables, constants) that is "
+                f"{format_size(self.bytes)} > {format_size(budget)}")
+
+
 def lower_bound(prepared: Prepared, swappable: set[int], baseline: SimResult | None = None) -> tuple[int, int | None]:
+    """No swap plan can go below this (see :func:`binding`). Returns (bytes, position of an op at
+    the binding instant)."""
+    bound = binding(prepared, swappable, baseline)
+    return bound.bytes, bound.position
+
+
+def binding(prepared: Prepared, swappable: set[int], baseline: SimResult | None = None) -> Bound:
     """No swap plan can go below this. At every instant of the step, these tensors are on the GPU:
     the inputs and outputs of the ops running then (ops that take no time share an instant, as
     in Grappler's accounting), and every live tensor that cannot be swapped; add everything
-    resident. Returns (bytes, position of an op at the binding instant)."""
+    resident. Returns the instant where that is largest."""
     schedule = prepared.schedule
     n = len(schedule)
     if n == 0:
-        return schedule.resident_bytes, None
+        return Bound(schedule.resident_bytes, None, 0, (), 0, 0, ())
     base = baseline or simulate(schedule)
     starts, ends = base.starts, base.ends
     times = sorted(set(starts))
@@ -227,7 +263,7 @@ def lower_bound(prepared: Prepared, swappable: set[int], baseline: SimResult | N
     produced: dict[int, list[int]] = {}
     for t in schedule.tensors:
         produced.setdefault(t.producer, []).append(t.id)
-    best, best_pos, level = 0, None, 0
+    best, best_i, best_level, best_touched, level = 0, None, 0, set(), 0
     for i in range(len(times)):
         level += pinned[i]
         touched = set()
@@ -236,8 +272,19 @@ def lower_bound(prepared: Prepared, swappable: set[int], baseline: SimResult | N
             touched.update(tid for tid in produced.get(k, ()) if tid in swappable)
         total = level + sum(size[tid] for tid in touched)
         if total > best:
-            best, best_pos = total, running[i][0] if running.get(i) else None
-    return best + schedule.resident_bytes, best_pos
+            best, best_i, best_level, best_touched = total, i, level, touched
+    if best_i is None or not running.get(best_i):
+        return Bound(best + schedule.resident_bytes, None, 0, (), best_level, 0, ())
+    time = times[best_i]
+    held = []
+    for t in schedule.tensors:
+        last = t.consumers[-1] if t.consumers else t.producer
+        if t.id in best_touched or (t.id not in swappable and starts[t.producer] <= time <= ends[last]):
+            held.append((f"{schedule.names[t.producer]}:{t.output}", t.num_bytes, t.id in swappable))
+    held.sort(key=lambda h: (-h[1], h[0]))
+    ops = tuple(running[best_i])
+    return Bound(best + schedule.resident_bytes, ops[0], time, ops, best_level,
+                 sum(size[tid] for tid in best_touched), tuple(held[:10]))
 
 
 def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filters = Filters()) -> Analysis:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from lmscli.analysis import Prepared, lower_bound
+from lmscli.analysis import Prepared, binding
 from lmscli.candidates import Candidate, Filters, candidates, edge_safe
 from lmscli.device import Device
 from lmscli.errors import NoFitError
@@ -573,9 +573,10 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
                    f"({format_size(baseline.peak_bytes)} <= {format_size(budget)})")
         result = baseline
     else:
-        lb, lb_pos = lower_bound(prepared, set(ctx.cands), baseline)
+        bound = binding(prepared, set(ctx.cands), baseline)
+        lb = bound.bytes
         if lb > budget:
-            raise NoFitError(_no_fit_message(ctx, lb, lb_pos, budget))
+            raise NoFitError(_no_fit_message(ctx, bound, budget))
         if options.strategy == "tflms":
             try:
                 swaps, chosen, result = plan_tflms(ctx, budget_act, log, options.sync_mode)
@@ -691,12 +692,8 @@ def predicted(baseline: SimResult, result: SimResult, budget: int) -> dict:
     }
 
 
-def _no_fit_message(ctx: _Context, lb: int, lb_pos, budget: int) -> str:
-    sched = ctx.schedule
-    name = sched.names[lb_pos] if lb_pos is not None else "?"
-    return (f"operation {name} ({sched.ops[lb_pos] if lb_pos is not None else '?'}) alone needs "
-            f"{format_size(lb)} with everything that must stay resident (variables "
-            f"{format_size(sched.resident_bytes)}); no swap plan can fit under {format_size(budget)}")
+def _no_fit_message(ctx: _Context, bound, budget: int) -> str:
+    return f"no swap plan can fit under {format_size(budget)}: {bound.explain(ctx.schedule, budget)}"
 
 
 # ---------------------------------------------------------------------------- serialization
