@@ -208,7 +208,8 @@ def _console(no_color: bool, stderr: bool = False):
     from rich.console import Console
 
     color = not no_color and "NO_COLOR" not in os.environ
-    return Console(stderr=stderr, no_color=not color, highlight=False,
+    # --no-color means plain text: no colour and no bold or dim either (color_system=None).
+    return Console(stderr=stderr, no_color=not color, color_system="auto" if color else None, highlight=False,
                    soft_wrap=not (sys.stderr if stderr else sys.stdout).isatty())
 
 
@@ -228,30 +229,63 @@ def _log(lines, verbose: bool) -> None:
             click.echo(line, err=True)
 
 
+def _progress(quiet: bool, as_json: bool, no_color: bool):
+    from lmscli.progress import Progress
+
+    return Progress.for_output(quiet=quiet, as_json=as_json, no_color=no_color)
+
+
+def _write_report(path: str, doc: dict, prepared, result) -> None:
+    """--report: the HTML page of ``doc`` with the plot (when matplotlib is installed), atomically."""
+    import importlib.util
+
+    from lmscli import api, html_report
+
+    svg = None
+    if importlib.util.find_spec("matplotlib") is not None:
+        from lmscli import plots
+
+        svg = plots.memory_svg(prepared, result)
+    api.atomic_write(path, html_report.render(doc, svg).encode("utf-8"))
+
+
+def report_option(func):
+    return click.option("--report", "report_file", type=click.Path(dir_okay=False), metavar="FILE.html",
+                        help="Write a self-contained HTML report (tables, plot, plan), e.g. for CI artifacts.")(func)
+
+
 # ---------------------------------------------------------------- commands
 @cli.command(context_settings=CONTEXT)
 @click.argument("model", type=click.Path())
 @model_options
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write a memory-over-time plot (.png or .svg).")
+@report_option
 @output_options
-def analyze(model, fmt, fetch, tag, batch_size, plot, as_json, verbose, quiet, no_color):
+def analyze(model, fmt, fetch, tag, batch_size, plot, report_file, as_json, verbose, quiet, no_color):
     """Report a graph's size, levels, largest operation and peak memory without swapping."""
     from lmscli import api, report
     from lmscli.simulator import simulate
 
-    loaded = _load(model, fmt, fetch, tag)
-    prepared = api.prepare(loaded, batch_size=batch_size)
-    baseline = simulate(prepared.schedule)
-    result = api.analyze(prepared, baseline)
-    if plot:
-        from lmscli import plots
+    progress = _progress(quiet, as_json, no_color)
+    with progress.phase(f"loading {model}"):
+        loaded = _load(model, fmt, fetch, tag)
+    with progress.phase("inferring shapes and scheduling the step"):
+        prepared = api.prepare(loaded, batch_size=batch_size)
+    with progress.phase("simulating the step"):
+        baseline = simulate(prepared.schedule)
+        result = api.analyze(prepared, baseline)
+    with progress.phase("drawing", active=bool(plot or report_file)):
+        if plot:
+            from lmscli import plots
 
-        plots.memory_plot(prepared, baseline, plot)
+            plots.memory_plot(prepared, baseline, plot)
+        if report_file:
+            _write_report(report_file, result.to_dict(), prepared, baseline)
     _log(report.analysis_log_lines(result), verbose)
     if as_json:
         _emit_json(result.to_dict())
     elif not quiet:
-        report.render_analysis(_console(no_color), result)
+        report.render_analysis(_console(no_color), result, baseline)
 
 
 @cli.command(context_settings=CONTEXT)
@@ -262,42 +296,52 @@ def analyze(model, fmt, fetch, tag, batch_size, plot, as_json, verbose, quiet, n
 @click.option("--find-max-batch", is_flag=True, help="Search the largest batch size that fits (unknown batch dims).")
 @click.option("--plan-out", type=click.Path(dir_okay=False), help="Write the plan as JSON (for lms rewrite --plan).")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write a memory-over-time plot (.png or .svg).")
+@report_option
 @output_options
 def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, host_mem, link, find_max_batch,
-         plan_out, plot, as_json, verbose, quiet, no_color, no_grappler_check, **plan_kwargs):
+         plan_out, plot, report_file, as_json, verbose, quiet, no_color, no_grappler_check, **plan_kwargs):
     """Plan the least swapping that fits a GPU, and predict its cost."""
     from lmscli import api, report
 
-    loaded = _load(model, fmt, fetch, tag)
+    progress = _progress(quiet, as_json, no_color)
+    with progress.phase(f"loading {model}"):
+        loaded = _load(model, fmt, fetch, tag)
     options = _tune_options(**plan_kwargs)
     if find_max_batch:
         def probe():
             return api.prepare(loaded, batch_size=batch_size or 1)
 
-        device = _device(probe, gpu_mem, device_preset, reserve, host_mem, link)
-        batch, result, prepared = api.find_max_batch(loaded, device, options)
+        with progress.phase("searching the largest batch size that fits"):
+            device = _device(probe, gpu_mem, device_preset, reserve, host_mem, link)
+            batch, result, prepared = api.find_max_batch(loaded, device, options)
     else:
-        prepared = api.prepare(loaded, batch_size=batch_size)
-        device = _device(prepared, gpu_mem, device_preset, reserve, host_mem, link)
-        result = api.tune(prepared, device, options, check=not no_grappler_check)
+        with progress.phase("inferring shapes and scheduling the step"):
+            prepared = api.prepare(loaded, batch_size=batch_size)
+            device = _device(prepared, gpu_mem, device_preset, reserve, host_mem, link)
+        with progress.phase("tuning" + ("" if no_grappler_check else ", then checking the plan with Grappler")):
+            result = api.tune(prepared, device, options, check=not no_grappler_check)
         batch = None
     result = api.with_link_predictions(prepared, result)
+    details = report.plan_details(prepared, result)
     _log(report.tune_log_lines(result), verbose)
     if plan_out:
         api.atomic_write(plan_out, result.plan.to_json().encode("utf-8"))
-    if plot:
-        from lmscli import plots
+    doc = {"schema": "lms.tune", "version": 1, "fits": result.fits, "necessary": result.necessary,
+           "max_batch_size": batch, "plan": result.plan.to_dict(), **details}
+    with progress.phase("drawing", active=bool(plot or report_file)):
+        if plot:
+            from lmscli import plots
 
-        plots.memory_plot(prepared, result, plot)
+            plots.memory_plot(prepared, result, plot)
+        if report_file:
+            _write_report(report_file, doc, prepared, result)
     if as_json:
-        doc = {"schema": "lms.tune", "version": 1, "fits": result.fits, "necessary": result.necessary,
-               "max_batch_size": batch, "plan": result.plan.to_dict()}
         _emit_json(doc)
     elif not quiet:
         console = _console(no_color)
         if batch is not None:
             console.print(f"[bold]largest batch size that fits: {batch}[/]")
-        report.render_tune(console, result)
+        report.render_tune(console, result, details)
 
 
 @cli.command(context_settings=CONTEXT)
@@ -315,10 +359,13 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
 @click.option("--dry-run", is_flag=True, help="Report what would be added; write nothing.")
 @click.option("--plan-out", type=click.Path(dir_okay=False), help="Also write the applied plan as JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write a memory-over-time plot (.png or .svg).")
+@report_option
+@click.option("--tensorboard-logdir", type=click.Path(file_okay=False), metavar="DIR",
+              help="Also write the rewritten graph as a TensorBoard event file in DIR.")
 @output_options
 def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, host_mem, link, plan_file,
-            serialize_levels, serialize_by_size, host_device, force, dry_run, plan_out, plot, as_json, verbose, quiet,
-            no_color, no_grappler_check, **plan_kwargs):
+            serialize_levels, serialize_by_size, host_device, force, dry_run, plan_out, plot, report_file,
+            tensorboard_logdir, as_json, verbose, quiet, no_color, no_grappler_check, **plan_kwargs):
     """Write MODEL with swap-out and swap-in operations to OUTPUT (same format)."""
     from dataclasses import replace
 
@@ -331,11 +378,14 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
 
     if os.path.abspath(model) == os.path.abspath(output):
         raise InputError(f"{output}: refusing to overwrite the input; write to another file")
-    loaded = _load(model, fmt, fetch, tag)
+    progress = _progress(quiet, as_json, no_color)
+    with progress.phase(f"loading {model}"):
+        loaded = _load(model, fmt, fetch, tag)
     if not force and has_lms_nodes(loaded.graph_def):
         raise GraphError(f"{model}: the graph already contains lms/ swap nodes (it was rewritten before); "
                          "pass --force to rewrite it again")
-    prepared = api.prepare(loaded, batch_size=batch_size)
+    with progress.phase("inferring shapes and scheduling the step"):
+        prepared = api.prepare(loaded, batch_size=batch_size)
     options = _tune_options(**plan_kwargs)
     if plan_file:
         try:
@@ -351,36 +401,50 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
         if gpu_mem is None and device_preset is None:
             gpu_mem = str(1 << 50)  # manual TFLMS parameters: the budget is only reported
         device = _device(prepared, gpu_mem, device_preset, reserve, host_mem, link)
-        result = api.with_link_predictions(prepared, api.tune(prepared, device, options, check=not no_grappler_check))
+        with progress.phase("tuning" + ("" if no_grappler_check else ", then checking the plan with Grappler")):
+            result = api.with_link_predictions(prepared, api.tune(prepared, device, options,
+                                                                  check=not no_grappler_check))
         plan = result.plan
     levels = parse_levels(serialize_levels) if serialize_levels else ()
     min_bytes = parse_size(serialize_by_size) if serialize_by_size else None
     if levels or min_bytes is not None:
         plan = replace(plan, serialize=plan.serialize + api.serialization_chains(prepared, levels, min_bytes))
-    new_graph, rep = api.rewrite(prepared, plan, host_device=host_device, force=force)
-    written = None
-    if not dry_run:
-        written = api.save(loaded, new_graph, output)
+    with progress.phase("writing the swap nodes"):
+        new_graph, rep = api.rewrite(prepared, plan, host_device=host_device, force=force)
+        written = None
+        if not dry_run:
+            written = api.save(loaded, new_graph, output)
+        event_file = None
+        if tensorboard_logdir:
+            from lmscli.tensorboard_events import write_graph
+
+            event_file = write_graph(new_graph, tensorboard_logdir)
     if plan_out:
         api.atomic_write(plan_out, plan.to_json().encode("utf-8"))
-    if plot:
-        from lmscli import plots
+    shown = result if result is not None else api.replay(prepared, plan)
+    details = report.plan_details(prepared, shown)
+    doc = {"schema": "lms.rewrite", "version": 1, "output": None if dry_run else output,
+           "format": written, "dry_run": dry_run, "summary": rep.summary(),
+           "swap_outs": rep.swap_outs, "swap_ins": rep.swap_ins, "swap_out_bytes": rep.swap_out_bytes,
+           "swap_in_bytes": rep.swap_in_bytes, "control_edges": rep.control_edges,
+           "added_nodes": list(rep.added_nodes), "tensorboard_event_file": event_file, "plan": plan.to_dict(),
+           **details}
+    with progress.phase("drawing", active=bool(plot or report_file)):
+        if plot:
+            from lmscli import plots
 
-        plots.memory_plot(prepared, result if result is not None else api.replay(prepared, plan), plot)
+            plots.memory_plot(prepared, shown, plot)
+        if report_file:
+            _write_report(report_file, doc, prepared, shown)
     if result is not None:
         _log(report.tune_log_lines(result), verbose)
     _log([f"[LMS] {rep.summary()}"], verbose)
     if as_json:
-        _emit_json({"schema": "lms.rewrite", "version": 1, "output": None if dry_run else output,
-                    "format": written, "dry_run": dry_run, "summary": rep.summary(),
-                    "swap_outs": rep.swap_outs, "swap_ins": rep.swap_ins, "swap_out_bytes": rep.swap_out_bytes,
-                    "swap_in_bytes": rep.swap_in_bytes, "control_edges": rep.control_edges,
-                    "added_nodes": list(rep.added_nodes), "plan": plan.to_dict()})
+        _emit_json(doc)
     elif not quiet:
         console = _console(no_color)
-        if result is not None:
-            report.render_tune(console, result)
-        report.render_rewrite(console, rep, output, dry_run)
+        report.render_tune(console, shown, details)
+        report.render_rewrite(console, rep, output, dry_run, event_file)
 
 
 from lmscli.verify_cli import verify  # noqa: E402  (imports no TensorFlow)

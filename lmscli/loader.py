@@ -294,6 +294,9 @@ def atomic_write(path: str, data: bytes) -> None:
         raise InputError(f"{path}: the directory {directory} does not exist")
     fd, tmp = tempfile.mkstemp(prefix=".lms-", dir=directory)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; an output file gets the usual mode
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
         os.replace(tmp, path)

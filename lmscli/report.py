@@ -1,13 +1,75 @@
-"""Rendering for people: Rich tables and ``[LMS]`` log lines. Nothing here computes a figure."""
+"""Rendering for people: Rich tables, a terminal memory chart and ``[LMS]`` log lines.
+
+Nothing here computes a figure; :func:`plan_details` only names what the simulator found (the
+largest tensors at the peak, the levels of the ops a plan names) for the terminal, ``--json``
+and ``--report``.
+"""
 
 from __future__ import annotations
 
 from typing import Iterable
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
+from lmscli import termchart
 from lmscli.units import format_size
+
+CHART_STYLES = {"main": "blue", "over": "bold red", "behind": "grey50", "budget": "red", "axis": "dim", "label": ""}
+CHART_MAX_WIDTH = 100
+TOP_ROWS = 8
+
+
+def plan_details(prepared, result, limit: int = 10) -> dict:
+    """Plain data for the reports of a plan: ``top_live_at_peak`` (the largest tensors live at the
+    peak with the plan) and ``op_levels`` (the level of every op the plan names)."""
+    sched, view = prepared.schedule, prepared.view
+    named = set()
+    for swap in result.plan.swaps:
+        named.add(swap.tensor.rsplit(":", 1)[0])
+        named.update(swap.near)
+        named.update(swap.waiters)
+        for group in swap.swap_ins:
+            named.update(group.consumers)
+            named.add(group.trigger)
+    for chain in result.plan.serialize:
+        named.update(chain)
+    top = []
+    for kind, tid, num_bytes in result.result.live_at_peak[:limit]:
+        t = sched.tensors[tid]
+        top.append({"name": f"{sched.names[t.producer]}:{t.output}", "type": sched.ops[t.producer],
+                    "bytes": num_bytes, "swap_in": kind == "swapin"})
+    return {"top_live_at_peak": top,
+            "op_levels": {name: view.levels[view.index[name]] for name in sorted(named) if name in view.index}}
+
+
+def render_chart(console: Console, title: str, main, behind=None, budget: int | None = None) -> None:
+    """A compact memory-over-time chart (``termchart.Series`` curves), as wide as the console allows."""
+    width = min(console.width, CHART_MAX_WIDTH)
+    rows = termchart.chart(main, width, behind=behind, budget=budget)
+    if not rows:
+        return
+    console.print(Text(title, style="bold"))
+    for row in rows + [termchart.legend(main, behind, budget)]:
+        console.print(Text.assemble(*((text, CHART_STYLES[kind]) for text, kind in row)), no_wrap=True,
+                      overflow="crop")
+
+
+def _series(label: str, sim) -> termchart.Series:
+    return termchart.Series(label, sim.curve, sim.resident_bytes)
+
+
+def _top_table(title: str, items) -> Table:
+    top = Table(title=title, title_justify="left")
+    top.add_column("tensor", overflow="fold")
+    top.add_column("op")
+    top.add_column("size", justify="right")
+    for item in items[:TOP_ROWS]:
+        size = format_size(item["bytes"]) + (" (swap-in)" if item.get("swap_in") else "")
+        top.add_row(Text(item["name"]), Text(item["type"]), size)
+    return top
 
 
 def _table(title: str) -> Table:
@@ -17,8 +79,9 @@ def _table(title: str) -> Table:
     return table
 
 
-def render_analysis(console: Console, a) -> None:
-    """The analysis as a summary table, the largest consumers at the peak, and unknown tensors."""
+def render_analysis(console: Console, a, baseline=None) -> None:
+    """The analysis as a summary table, a memory chart (given the no-swap ``baseline`` SimResult),
+    the largest consumers at the peak, and unknown tensors."""
     for note in a.notes:
         console.print(f"[yellow]note:[/] {note}")
     t = _table(f"{a.model} ({a.format})")
@@ -46,14 +109,12 @@ def render_analysis(console: Console, a) -> None:
     if a.unknown_tensors:
         t.add_row("unknown sizes", f"[yellow]{a.unknown_tensors} tensor(s) with unknown shape (counted as 0 bytes)[/]")
     console.print(t)
+    if baseline is not None:
+        render_chart(console, "Memory over one training step (simulated)",
+                     _series(f"no swapping (peak {format_size(baseline.peak_bytes)})", baseline))
     if a.top_live_at_peak:
-        top = Table(title="Largest tensors live at the peak", title_justify="left")
-        top.add_column("tensor", overflow="fold")
-        top.add_column("op")
-        top.add_column("size", justify="right")
-        for item in a.top_live_at_peak:
-            top.add_row(item.name, item.type, format_size(item.bytes))
-        console.print(top)
+        items = [{"name": i.name, "type": i.type, "bytes": i.bytes} for i in a.top_live_at_peak]
+        console.print(_top_table("Largest tensors live at the peak", items))
     if a.largest_unknown:
         unk = Table(title="Tensors of unknown size (largest known part first)", title_justify="left")
         unk.add_column("tensor", overflow="fold")
@@ -81,8 +142,10 @@ def _pct(x: float) -> str:
     return f"{x * 100:.1f}%"
 
 
-def render_tune(console: Console, result, analysis=None) -> None:
-    """The chosen plan: device, budget, memory before and after, traffic, predicted overhead."""
+def render_tune(console: Console, result, details: dict | None = None) -> None:
+    """The chosen plan: device, budget, memory before and after (a table and a chart), traffic,
+    predicted overhead per link, the largest tensors at the peak and the swapped tensors with their
+    levels (``details`` from :func:`plan_details`)."""
     plan = result.plan
     pred = plan.predicted
     dev = plan.device
@@ -107,23 +170,56 @@ def render_tune(console: Console, result, analysis=None) -> None:
     t.add_row("predicted step time", f"{pred['step_time_without_plan_s'] * 1e3:.2f} ms -> {pred['step_time_s'] * 1e3:.2f} ms "
               f"(overhead {_pct(pred['overhead'])})")
     for name, figures in sorted(pred.get("per_link", {}).items()):
-        t.add_row(f"  on {name}", f"{figures['step_time_s'] * 1e3:.2f} ms (overhead {_pct(figures['overhead'])})")
+        t.add_row(f"  on {name}", f"{figures['step_time_s'] * 1e3:.2f} ms (overhead {_pct(figures['overhead'])}, "
+                  f"peak {format_size(figures['peak_bytes'])})")
     if plan.parameters:
-        t.add_row("parameters", ", ".join(f"{k} {v}" for k, v in plan.parameters.items()))
+        t.add_row("parameters", "; ".join(
+            f"{k}: " + ", ".join(f"{a} {b}" for a, b in v.items()) if isinstance(v, dict) else f"{k} {v}"
+            for k, v in plan.parameters.items()))
     console.print(t)
+    details = details or {}
     if plan.swaps:
-        table = Table(title=f"Swapped tensors ({len(plan.swaps)}, largest first)", title_justify="left")
-        table.add_column("tensor", overflow="fold")
-        table.add_column("size", justify="right")
-        table.add_column("near", justify="right")
-        table.add_column("swap-ins", justify="right")
-        table.add_column("trigger", overflow="fold")
-        for swap in sorted(plan.swaps, key=lambda s: (-s.bytes, s.tensor))[:15]:
-            table.add_row(swap.tensor, format_size(swap.bytes), str(len(swap.near)), str(len(swap.swap_ins)),
-                          swap.swap_ins[0].trigger if swap.swap_ins else "")
-        if len(plan.swaps) > 15:
-            table.caption = f"... and {len(plan.swaps) - 15} more (see --plan-out)"
-        console.print(table)
+        render_chart(console, "Memory over one training step (simulated)",
+                     _series(f"with lms (peak {format_size(result.result.peak_bytes)})", result.result),
+                     _series(f"without (peak {format_size(result.baseline.peak_bytes)})", result.baseline), result.budget)
+    else:
+        render_chart(console, "Memory over one training step (simulated)",
+                     _series(f"no swapping (peak {format_size(result.baseline.peak_bytes)})", result.baseline),
+                     budget=result.budget)
+    if details.get("top_live_at_peak"):
+        console.print(_top_table("Largest tensors live at the peak, with the plan", details["top_live_at_peak"]))
+    if plan.swaps:
+        console.print(_swap_table(plan, details.get("op_levels", {})))
+
+
+def _levels(names, levels: dict) -> str:
+    known = sorted({levels[n] for n in names if n in levels})
+    if not known:
+        return "-"
+    return f"L{known[0]}" if len(known) == 1 else f"L{known[0]}-{known[-1]}"
+
+
+def _swap_table(plan, levels: dict, limit: int = 15) -> Table:
+    """Swapped tensors, largest first: size, and the levels of the producer, of the op whose end
+    starts each swap-in (its trigger, named under the tensor) and of the ops reading it back."""
+    table = Table(title=f"Swapped tensors ({len(plan.swaps)}, largest first; ↳ swap-in trigger)",
+                  title_justify="left")
+    table.add_column("tensor", overflow="fold")
+    table.add_column("size", justify="right", no_wrap=True)
+    table.add_column("levels", no_wrap=True)
+    for swap in sorted(plan.swaps, key=lambda s: (-s.bytes, s.tensor))[:limit]:
+        producer = swap.tensor.rsplit(":", 1)[0]
+        cell = Text(swap.tensor)
+        for g in swap.swap_ins:
+            cell.append(f"\n↳{g.trigger}", style="dim")
+        steps = [f"made  {_levels([producer], levels)}"]
+        if swap.swap_ins:
+            steps.append("start " + ", ".join(_levels([g.trigger], levels) for g in swap.swap_ins))
+            steps.append("read  " + ", ".join(_levels(g.consumers, levels) for g in swap.swap_ins))
+        table.add_row(cell, format_size(swap.bytes), "\n".join(steps))
+    if len(plan.swaps) > limit:
+        table.caption = f"... and {len(plan.swaps) - limit} more (see --plan-out or --report)"
+    return table
 
 
 def tune_log_lines(result) -> Iterable[str]:
@@ -133,9 +229,11 @@ def tune_log_lines(result) -> Iterable[str]:
            f"{format_size(result.budget)}; overhead {_pct(pred['overhead'])}")
 
 
-def render_rewrite(console: Console, report, output: str | None, dry_run: bool) -> None:
+def render_rewrite(console: Console, report, output: str | None, dry_run: bool, event_file: str | None = None) -> None:
     line = report.summary()
     if report.control_edges:
         line += f", {report.control_edges} control edge(s)"
-    console.print(("[bold]dry run:[/] would write " if dry_run else "wrote ") + (output or ""))
-    console.print(line)
+    console.print(("[bold]dry run:[/] would write " if dry_run else "wrote ") + escape(output or ""))
+    console.print(Text(line))
+    if event_file:
+        console.print(Text(f"TensorBoard event file: {event_file}"))

@@ -18,7 +18,8 @@ def _console(no_color: bool):
     from rich.console import Console
 
     color = not no_color and "NO_COLOR" not in os.environ
-    return Console(no_color=not color, highlight=False, soft_wrap=not sys.stdout.isatty())
+    return Console(no_color=not color, color_system="auto" if color else None, highlight=False,
+                   soft_wrap=not sys.stdout.isatty())
 
 
 def _render(console, result) -> None:
