@@ -32,6 +32,7 @@ class Prepared:
     batched_placeholders: tuple[str, ...]
     fused: frozenset = frozenset()  # nodes Grappler's default optimizations remove (never swapped)
     schedules: tuple = ()  # one Schedule per GPU the step uses; ``schedule`` is the one needing most
+    optimized: object = None  # the GraphDef Grappler's default optimizations make (None: refused)
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -84,8 +85,9 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
     schedule = schedules[0]
     if len(schedules) > 1:  # the GPU that needs the most memory speaks for the graph
         schedule = max(schedules, key=lambda s: simulate(s, detail=False).peak_bytes)
-    fused = grappler.fused_away(meta, model.fetches)
-    return Prepared(model, graph_def, view, schedule, batch_size, tuple(changed), fused, schedules)
+    optimized = grappler.optimize(meta, model.fetches)
+    fused = grappler.fused_away(meta.graph_def, optimized)
+    return Prepared(model, graph_def, view, schedule, batch_size, tuple(changed), fused, schedules, optimized)
 
 
 def with_graph_def(meta_graph, graph_def):

@@ -29,7 +29,8 @@ __all__ = [
     "rewrite", "save", "serialization_chains", "serialize", "tune",
 ]
 
-GRAPPLER_ROUNDS = 4
+GRAPPLER_ROUNDS = 4  # plans re-made with a tighter budget while Grappler's estimate is over it
+GUARD_ROUNDS = 4  # plans re-made without the swaps that change Grappler's optimizations
 
 
 def rewrite(prepared: Prepared, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, force: bool = False):
@@ -43,12 +44,14 @@ def rewrite(prepared: Prepared, plan: Plan, host_device: str = DEFAULT_HOST_DEVI
     return rewriter.rewrite(meta, plan, host_device=host_device, force=force, view=prepared.view)
 
 
-def check_with_grappler(prepared: Prepared, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE) -> dict:
+def check_with_grappler(prepared: Prepared, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE,
+                        rewritten=None) -> dict:
     """Grappler's estimate of the rewritten graph (tensors on each virtual GPU, plus the bytes
-    resident there). ``per_device`` holds each GPU's figures; the top-level ones are the largest."""
+    resident there). ``per_device`` holds each GPU's figures; the top-level ones are the largest.
+    ``rewritten`` (the plan already emitted) saves emitting it again."""
     from lmscli import grappler
 
-    meta, _ = rewrite(prepared, plan, host_device=host_device, force=True)
+    meta = rewritten if rewritten is not None else rewrite(prepared, plan, host_device=host_device, force=True)[0]
     estimate = grappler.estimate_peak(meta, prepared.model.fetches)
     budget = int(plan.device.get("budget_bytes", 0))
     per_device = {}
@@ -66,24 +69,71 @@ def check_with_grappler(prepared: Prepared, plan: Plan, host_device: str = DEFAU
     return figures
 
 
+def optimizer_culprits(prepared: Prepared, plan: Plan, rewritten) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The swapped tensors and serialized ops of ``plan`` that make Grappler's default
+    optimizations treat ``rewritten`` differently from the original (see :mod:`lmscli.optguard`)."""
+    from lmscli import grappler, optguard
+
+    if prepared.optimized is None or not (plan.swaps or plan.serialize):
+        return (), ()
+    optimized = grappler.optimize(rewritten, prepared.model.fetches)
+    if optimized is None:
+        return (), ()
+    names = optguard.involved(prepared.optimized, optimized)
+    return optguard.culprits(plan, names) if names else ((), ())
+
+
 def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(), check: bool = True,
-         host_device: str = DEFAULT_HOST_DEVICE) -> TuneResult:
-    """Plan with the simulator, then check the plan with Grappler; tighten and retry while Grappler
-    says it does not fit (per GPU, for graphs placed on several). The Grappler figures are stored
-    in ``plan.grappler``."""
+         host_device: str = DEFAULT_HOST_DEVICE, guard: bool = True) -> TuneResult:
+    """Plan with the simulator, then check the plan twice, replanning until both agree:
+
+    * the optimizer guard: Grappler's default optimizations must treat the rewritten graph as they
+      treat the original (else training is not bit-identical); swaps that change them are
+      forbidden and the graph replanned;
+    * Grappler's memory estimate must fit (per GPU, for graphs placed on several); while it does
+      not, the budget is tightened by the overshoot.
+
+    ``check=False`` skips the estimate, ``guard=False`` the guard. Grappler's figures are stored in
+    ``plan.grappler``, with the tensors the guard left alone."""
     from lmscli.planner import tune as plan_tune
 
+    from lmscli import optguard
+
     margins: dict[str, int] = {}
+    forbidden: set[str] = set()
     result = plan_tune(prepared, device, options)
-    if not check:
+    if not (check or guard):
         return result
-    for round_ in range(1, GRAPPLER_ROUNDS + 1):
-        figures = check_with_grappler(prepared, result.plan, host_device)
-        figures["rounds"] = round_
+    manual = options.strategy == "tflms" and options.tflms is not None
+    estimate_rounds = guard_rounds = 0
+    notes: list[str] = []
+    while True:
+        meta, _ = rewrite(prepared, result.plan, host_device=host_device, force=True)
+        tensors, _ops = optimizer_culprits(prepared, result.plan, meta) if guard else ((), ())
+        if tensors:
+            forbidden.update(tensors)
+            notes.append(f"[LMS] left {len(tensors)} tensor(s) unswapped: a swap node there changes what Grappler's "
+                         "optimizations do to the graph, and with it the last bits of the results")
+            guard_rounds += 1
+            if guard_rounds <= GUARD_ROUNDS:  # plan again without them ...
+                options = replace(options, forbidden=frozenset(forbidden))
+                result = plan_tune(prepared, device, options, margin=dict(margins))
+            else:  # ... or, after that many rounds, just drop them from the plan
+                result = replace(result, plan=optguard.without(result.plan, tensors, ()))
+            continue
+        if not check:
+            return replace(result, log=result.log + tuple(notes),
+                           plan=replace(result.plan, grappler={"left_alone": sorted(forbidden)} if forbidden else {}))
+        figures = check_with_grappler(prepared, result.plan, host_device, rewritten=meta)
+        estimate_rounds += 1
+        figures["rounds"] = estimate_rounds
         figures["margin_bytes"] = max(margins.values(), default=0)
-        result = replace(result, plan=replace(result.plan, grappler=figures))
-        if figures["fits"] or (options.strategy == "tflms" and options.tflms is not None):
+        figures["left_alone"] = sorted(forbidden)
+        result = replace(result, plan=replace(result.plan, grappler=figures), log=result.log + tuple(notes))
+        if figures["fits"] or manual:
             return result
+        if estimate_rounds >= GRAPPLER_ROUNDS:
+            break
         per_device = figures.get("per_device") or {prepared.schedule.device: figures}
         for name, f in per_device.items():
             if not f["fits"]:
@@ -103,7 +153,7 @@ def find_max_batch(model: Model, device: Device, options: TuneOptions = TuneOpti
         if not prepared.batched_placeholders:
             raise InputError("--find-max-batch needs a graph whose placeholders have an unknown batch dimension")
         try:
-            return tune(prepared, device, options, check=False), prepared
+            return tune(prepared, device, options, check=False, guard=False), prepared
         except NoFitError:
             return None
 
@@ -168,12 +218,12 @@ def with_link_predictions(prepared: Prepared, result: TuneResult) -> TuneResult:
 def replay(prepared: Prepared, plan: Plan) -> TuneResult:
     """Simulate a given plan (e.g. one read with --plan) as a TuneResult, for reports and plots; for
     a graph on several GPUs, as seen by the GPU that needs the most memory with the plan."""
-    from lmscli.device import Device
+    from lmscli.device import NO_BUDGET, Device
     from lmscli.plan import to_sim
     from lmscli.planner import predicted
     from lmscli.simulator import simulate
 
-    device = Device.from_dict(plan.device) if plan.device else Device(gpu_mem=1 << 50)
+    device = Device.from_dict(plan.device) if plan.device else Device(gpu_mem=NO_BUDGET)
     replays = []
     for schedule in prepared.schedules or (prepared.schedule,):
         baseline = simulate(schedule, (), device.link_bandwidth)

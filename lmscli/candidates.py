@@ -68,34 +68,21 @@ class Filters:
 
 _MATMULS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"})
 _ACTIVATIONS = frozenset({"Relu", "Relu6", "Elu", "LeakyRelu", "Tanh", "Sigmoid"})
-_ARITHMETIC = frozenset({
-    "Mul", "Add", "AddV2", "Sub", "RealDiv", "Div", "Neg", "AddN", "MulNoNan", "DivNoNan", "Square", "Sqrt",
-    "Rsqrt", "Reciprocal", "Exp", "Log", "Log1p", "Erf", "Erfc", "Pow", "Maximum", "Minimum", "Abs", "Cast",
-})
-# Producer -> consumer edges that Grappler folds or fuses (transposes into matmuls, bias adds and
-# activations into convolutions). A swap node on such an edge stops the fusion and the kernel that
-# runs instead rounds differently in the last bit, so those consumers always read the GPU copy.
+# Producer -> consumer edges that Grappler's remapper folds or fuses (transposes into matmuls, bias
+# adds and activations into convolutions, on GPUs as on CPUs). A swap node on such an edge stops the
+# fusion and the kernel that runs instead rounds differently in the last bit, so those consumers
+# always read the GPU copy. Rewrites of element-wise arithmetic chains (the arithmetic optimizer,
+# constant folding) are device-independent: :mod:`lmscli.optguard` checks each plan against them.
 FUSED_EDGES = (
     (frozenset({"Transpose", "ConjugateTranspose"}), _MATMULS),
     (frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul"}), frozenset({"BiasAdd", "Add", "AddV2"})),
     (frozenset({"BiasAdd", "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"}), _ACTIVATIONS),
-    # Chains of element-wise arithmetic: the arithmetic optimizer and constant folding rewrite them
-    # (push constant factors down a chain of Muls, simplify squares and exponentials), which an
-    # Identity between two links prevents (found on GELU gradients: 1e-8 differences after two steps).
-    (_ARITHMETIC, _ARITHMETIC),
 )
 
 
-def fused_edge(producer_op: str, consumer_op: str, lone_mul_into_addn: bool = False) -> bool:
-    """True for an edge Grappler may fold or fuse. A Mul that is the only Mul feeding an AddN is
-    the exception (no common factor to hoist out of the sum: a weight-decay term, typically)."""
-    if lone_mul_into_addn and producer_op == "Mul" and consumer_op == "AddN":
-        return False
+def fused_edge(producer_op: str, consumer_op: str) -> bool:
+    """True for an edge Grappler's remapper may fold or fuse."""
     return any(producer_op in src and consumer_op in dst for src, dst in FUSED_EDGES)
-
-
-def _lone_mul(view: GraphView, consumer: int) -> bool:
-    return sum(1 for src, _ in view.data_inputs[consumer] if view.ops[src] == "Mul") == 1
 
 
 def _in_scope(name: str, scope: str) -> bool:
@@ -119,16 +106,19 @@ class Candidate:
 
 
 def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters(),
-               fused: frozenset = frozenset()) -> dict[int, Candidate]:
+               fused: frozenset = frozenset(), forbidden: frozenset = frozenset()) -> dict[int, Candidate]:
     """Candidate tensors of ``schedule`` keyed by tensor id (see the module docstring). Nodes in
     ``fused`` (removed by Grappler's optimizations) neither produce swapped tensors nor read
-    swap-ins."""
+    swap-ins; tensors named in ``forbidden`` (``"node:output"``, e.g. found by the optimizer
+    guard) are never swapped."""
     out: dict[int, Candidate] = {}
     for t in schedule.tensors:
         p = t.producer
         node = schedule.nodes[p]
         op = view.ops[node]
         if not schedule.on_gpu[p] or op in NEVER_SWAP_PRODUCERS or view.in_loop(node) or view.names[node] in fused:
+            continue
+        if forbidden and f"{view.names[node]}:{t.output}" in forbidden:
             continue
         info = view.tensor(node, t.output)
         if info is None or info.num_bytes is None or info.itemsize == 0 or (info.rank or 0) < 2:
@@ -140,7 +130,7 @@ def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters()
             cnode = schedule.nodes[c]
             cop = view.ops[cnode]
             if (schedule.on_gpu[c] and cop not in CONTROL_FLOW_OPS and not view.in_loop(cnode)
-                    and not fused_edge(op, cop, cop == "AddN" and _lone_mul(view, cnode))
+                    and not fused_edge(op, cop)
                     and view.names[cnode] not in fused
                     and filters.consumer_ok(view.names[cnode], cop)):
                 rewirable.append(c)

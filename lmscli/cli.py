@@ -15,6 +15,7 @@ from functools import wraps
 import click
 
 from lmscli import __version__
+from lmscli.device import NO_BUDGET
 from lmscli.device import PRESETS as _PRESETS
 from lmscli.errors import EXIT_ERROR, LmsError
 
@@ -399,7 +400,7 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
                          "or TFLMS parameters (--swapout-threshold ...)")
     else:
         if gpu_mem is None and device_preset is None:
-            gpu_mem = str(1 << 50)  # manual TFLMS parameters: the budget is only reported
+            gpu_mem = str(NO_BUDGET)  # manual TFLMS parameters: no budget to meet
         device = _device(prepared, gpu_mem, device_preset, reserve, host_mem, link)
         with progress.phase("tuning" + ("" if no_grappler_check else ", then checking the plan with Grappler")):
             result = api.with_link_predictions(prepared, api.tune(prepared, device, options,

@@ -33,6 +33,9 @@ DEFAULT_RESERVE = 0.10
 DEFAULT_HOST_MEM = 64 << 30
 
 
+NO_BUDGET = 1 << 50  # "no limit": manual TFLMS parameters are applied without a budget to meet
+
+
 @dataclass(frozen=True)
 class Device:
     """What the planner plans for. ``budget`` is what tensors may use: gpu_mem x (1 - reserve)."""

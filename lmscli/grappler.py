@@ -137,10 +137,9 @@ def tensor_sizes(meta_graph, fetches) -> dict:
             for dev in step_stats.dev_stats for ns in dev.node_stats for o in ns.output}
 
 
-def fused_away(meta_graph, fetches) -> frozenset:
-    """Names of the nodes Grappler's default optimizations (as a Session runs them on this
-    machine) fold, fuse or prune away. A swap node attached to one of them would change what
-    Grappler optimizes, and with it the last bits of the results, so lms leaves them alone."""
+def optimize(meta_graph, fetches):
+    """The GraphDef that Grappler's default optimizations (as a Session runs them on this machine)
+    make of ``meta_graph`` for a step fetching ``fetches``; None if Grappler refuses the graph."""
     tensorflow()
     from tensorflow.core.protobuf import config_pb2
     from tensorflow.python.grappler import tf_optimizer
@@ -150,8 +149,17 @@ def fused_away(meta_graph, fetches) -> frozenset:
     meta.collection_def["train_op"].Clear()
     meta.collection_def["train_op"].node_list.value.extend(fetches)
     try:
-        optimized = tf_optimizer.OptimizeGraph(config_pb2.ConfigProto(), meta)
+        return tf_optimizer.OptimizeGraph(config_pb2.ConfigProto(), meta)
     except Exception:
+        return None
+
+
+def fused_away(graph_def, optimized) -> frozenset:
+    """Names of the nodes of ``graph_def`` that Grappler's default optimizations fold, fuse or
+    prune away (absent from ``optimized``, the result of :func:`optimize`). A swap node attached
+    to one of them would change what Grappler optimizes, and with it the last bits of the
+    results, so lms leaves them alone."""
+    if optimized is None:
         return frozenset()
     kept = {node.name for node in optimized.node}
-    return frozenset(node.name for node in meta.graph_def.node if node.name not in kept)
+    return frozenset(node.name for node in graph_def.node if node.name not in kept)

@@ -162,7 +162,7 @@ def _plan(doc: dict, svg: str | None) -> str:
     t0, t1 = pred.get("step_time_without_plan_s"), pred.get("step_time_s")
     memory_rows = [("simulated peak", _size(before), _size(after), _change(before, after))]
     grappler = plan.get("grappler") or {}
-    if grappler:
+    if grappler.get("peak_bytes") is not None:
         verdict = '<span class="ok">fits</span>' if grappler.get("fits") else '<span class="bad">does not fit</span>'
         memory_rows.append(("Grappler's estimate", "-", f"{_size(grappler.get('peak_bytes'))} {verdict}", "-"))
     memory_rows.append(("swapped out / in", "-", f"{pred.get('swap_outs', 0)} / {pred.get('swap_ins', 0)} "

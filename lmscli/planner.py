@@ -53,6 +53,7 @@ class TuneOptions:
     filters: Filters = Filters()
     tflms: TflmsParams | None = None  # given: skip the search and apply these parameters
     sync_mode: int = 0  # tflms search: the sync_mode to start from
+    forbidden: frozenset = frozenset()  # tensors ("node:output") never to swap (the optimizer guard's)
 
 
 @dataclass(frozen=True)
@@ -75,12 +76,12 @@ class TuneResult:
 class _Context:
     """Per-tuning lookups over the schedule: predecessors by position, trigger eligibility."""
 
-    def __init__(self, prepared: Prepared, device: Device, filters: Filters):
+    def __init__(self, prepared: Prepared, device: Device, filters: Filters, forbidden: frozenset = frozenset()):
         self.prepared = prepared
         self.view = prepared.view
         self.schedule: Schedule = prepared.schedule
         self.device = device
-        self.cands: dict[int, Candidate] = candidates(self.view, self.schedule, filters, prepared.fused)
+        self.cands: dict[int, Candidate] = candidates(self.view, self.schedule, filters, prepared.fused, forbidden)
         sched = self.schedule
         pos_of = {node: k for k, node in enumerate(sched.nodes)}
         self.preds: list[list[int]] = []
@@ -554,7 +555,7 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
         return _tune_each_gpu(prepared, device, options, margin)
     if isinstance(margin, dict):
         margin = margin.get(prepared.schedule.device, 0)
-    ctx = _Context(prepared, device, options.filters)
+    ctx = _Context(prepared, device, options.filters, options.forbidden)
     sched = ctx.schedule
     log: list[str] = []
     baseline = ctx.simulate(())

@@ -15,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from lmscli import termchart
+from lmscli.device import NO_BUDGET
 from lmscli.units import format_size
 
 CHART_STYLES = {"main": "blue", "over": "bold red", "behind": "grey50", "budget": "red", "axis": "dim", "label": ""}
@@ -142,6 +143,11 @@ def _pct(x: float) -> str:
     return f"{x * 100:.1f}%"
 
 
+def _unbounded(plan) -> bool:
+    """Manual TFLMS parameters: the plan was applied as given, with no budget to meet."""
+    return plan.device.get("gpu_mem_bytes", 0) >= NO_BUDGET
+
+
 def render_tune(console: Console, result, details: dict | None = None) -> None:
     """The chosen plan: device, budget, memory before and after (a table and a chart), traffic,
     predicted overhead per link, the largest tensors at the peak and the swapped tensors with their
@@ -150,16 +156,20 @@ def render_tune(console: Console, result, details: dict | None = None) -> None:
     pred = plan.predicted
     dev = plan.device
     t = _table(f"Plan for {plan.model} ({plan.strategy} strategy)")
-    t.add_row("device", f"{format_size(dev['gpu_mem_bytes'])} GPU, {dev['reserve'] * 100:.0f}% reserved, "
-              f"link {dev['link']} ({dev['link_bytes_per_second'] / 1e9:.0f} GB/s per direction)")
-    t.add_row("budget", format_size(result.budget))
+    budget = None if _unbounded(plan) else result.budget
+    gpu = f"{format_size(dev['gpu_mem_bytes'])} GPU, {dev['reserve'] * 100:.0f}% reserved, " if budget else "GPU, "
+    t.add_row("device", f"{gpu}link {dev['link']} ({dev['link_bytes_per_second'] / 1e9:.0f} GB/s per direction)")
+    t.add_row("budget", format_size(budget) if budget else "none: TFLMS parameters applied as given")
     t.add_row("peak without swapping", format_size(pred["peak_bytes_without_plan"]))
     verdict = "[green]fits[/]" if result.fits else "[red]does not fit[/]"
     t.add_row("predicted peak with plan", f"[bold]{format_size(pred['peak_bytes'])}[/] ({verdict})")
-    if plan.grappler:
+    if plan.grappler.get("peak_bytes") is not None:
         g = plan.grappler
         ok = "[green]fits[/]" if g.get("fits") else "[red]does not fit[/]"
         t.add_row("Grappler's estimate", f"{format_size(g['peak_bytes'])} ({ok}; {g.get('rounds', 1)} round(s))")
+    if plan.grappler.get("left_alone"):
+        t.add_row("left unswapped", f"{len(plan.grappler['left_alone'])} tensor(s) where a swap node would change what "
+                  "Grappler's optimizations do (bit-identity)")
     if not result.necessary:
         t.add_row("swapping", "not necessary: the graph fits without it")
     t.add_row("swap-outs", f"{pred['swap_outs']} ({format_size(pred['swap_out_bytes'])})")
@@ -181,11 +191,11 @@ def render_tune(console: Console, result, details: dict | None = None) -> None:
     if plan.swaps:
         render_chart(console, "Memory over one training step (simulated)",
                      _series(f"with lms (peak {format_size(result.result.peak_bytes)})", result.result),
-                     _series(f"without (peak {format_size(result.baseline.peak_bytes)})", result.baseline), result.budget)
+                     _series(f"without (peak {format_size(result.baseline.peak_bytes)})", result.baseline), budget)
     else:
         render_chart(console, "Memory over one training step (simulated)",
                      _series(f"no swapping (peak {format_size(result.baseline.peak_bytes)})", result.baseline),
-                     budget=result.budget)
+                     budget=budget)
     if details.get("top_live_at_peak"):
         console.print(_top_table("Largest tensors live at the peak, with the plan", details["top_live_at_peak"]))
     if plan.swaps:
@@ -225,8 +235,9 @@ def _swap_table(plan, levels: dict, limit: int = 15) -> Table:
 def tune_log_lines(result) -> Iterable[str]:
     yield from result.log
     pred = result.plan.predicted
-    yield (f"[LMS] Predicted peak {format_size(pred['peak_bytes'])} under a budget of "
-           f"{format_size(result.budget)}; overhead {_pct(pred['overhead'])}")
+    budget = ("with no budget (TFLMS parameters given)" if _unbounded(result.plan) else
+              f"under a budget of {format_size(result.budget)}")
+    yield f"[LMS] Predicted peak {format_size(pred['peak_bytes'])} {budget}; overhead {_pct(pred['overhead'])}"
 
 
 def render_rewrite(console: Console, report, output: str | None, dry_run: bool, event_file: str | None = None) -> None:
