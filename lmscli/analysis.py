@@ -289,6 +289,21 @@ def binding(prepared: Prepared, swappable: set[int], baseline: SimResult | None 
                  sum(size[tid] for tid in best_touched), tuple(held[:10]))
 
 
+def _call_notes(view: GraphView, active) -> tuple[str, ...]:
+    """A note when the step calls functions of the graph's library: the tensors inside their
+    bodies are not counted (only the calls' inputs and outputs are), nor swapped."""
+    from lmscli.grappler import CALL_OPS
+
+    library = {f.signature.name for f in view.library}
+    calls = sorted({view.ops[i] for i in active if view.ops[i] in CALL_OPS or view.ops[i] in library})
+    count = sum(1 for i in active if view.ops[i] in CALL_OPS or view.ops[i] in library)
+    if not count:
+        return ()
+    return (f"{count} op(s) of the step call functions ({', '.join(calls[:4])}{', ...' if len(calls) > 4 else ''}); "
+            "the tensors inside their bodies are neither counted nor swapped, so the peak of a step that runs "
+            "mostly inside a function is underestimated",)
+
+
 def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filters = Filters()) -> Analysis:
     model, view, schedule = prepared.model, prepared.view, prepared.schedule
     active = schedule.nodes
@@ -334,7 +349,7 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
         format=model.format,
         fetches=tuple(model.fetches),
         fetch_source=model.fetch_source,
-        notes=tuple(model.notes),
+        notes=tuple(model.notes) + _call_notes(view, active),
         batch_size=prepared.batch_size,
         vertices=view.size,
         active_vertices=len(active),

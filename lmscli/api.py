@@ -31,6 +31,7 @@ __all__ = [
 
 GRAPPLER_ROUNDS = 4  # plans re-made with a tighter budget while Grappler's estimate is over it
 GUARD_ROUNDS = 4  # plans re-made without the swaps that change Grappler's optimizations
+GUARD_HOPS = 4  # how far from a node Grappler optimizes differently a swap is held responsible
 
 
 def rewrite(prepared: Prepared, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, force: bool = False):
@@ -80,11 +81,69 @@ def optimizer_culprits(prepared: Prepared, plan: Plan, rewritten) -> tuple[tuple
     if optimized is None:
         return (), ()
     names = optguard.involved(prepared.optimized, optimized)
-    return optguard.culprits(plan, names) if names else ((), ())
+    if not names:
+        return (), ()
+    for hops in range(GUARD_HOPS + 1):  # the nearest swaps first
+        found = optguard.culprits(plan, optguard.around(prepared.view, names, hops))
+        if found[0] or found[1]:
+            return found
+    return (), ()
 
 
 def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(), check: bool = True,
          host_device: str = DEFAULT_HOST_DEVICE, guard: bool = True) -> TuneResult:
+    """Plan with the simulator, then check the plan twice, replanning until both agree (see
+    :func:`checked_tune`). When the simulator finds no plan, TFLMS's parameter sets are tried
+    with Grappler's estimate as the judge (:func:`reordering_fallback`)."""
+    try:
+        return checked_tune(prepared, device, options, check, host_device, guard)
+    except NoFitError:
+        if not check or options.tflms is not None:
+            raise
+        fallback = reordering_fallback(prepared, device, options, host_device, guard)
+        if fallback is None:
+            raise
+        return fallback
+
+
+def reordering_fallback(prepared: Prepared, device: Device, options: TuneOptions, host_device: str = DEFAULT_HOST_DEVICE,
+                        guard: bool = True) -> TuneResult | None:
+    """TFLMS's parameter sets judged by Grappler's estimate of the rewritten graph, for budgets the
+    simulator finds no plan for. The simulator keeps the step's order, and the lower bound is that
+    order's; the control edges of synchronous swaps and shared swap-ins make Grappler's scheduler
+    order the step differently, which can fit where that order cannot. Of the plans that fit, the
+    one that swaps the fewest bytes wins; its swapout_threshold is then raised while it still fits.
+    None when none fits."""
+    from lmscli.planner import TflmsParams
+
+    def attempt(params):
+        try:
+            result = checked_tune(prepared, device, replace(options, strategy="tflms", tflms=params), True,
+                                  host_device, guard)
+        except NoFitError:
+            return None
+        return result if result.plan.grappler.get("fits") else None
+
+    found = [r for r in (attempt(TflmsParams(1, 1, groupby, sync)) for sync in range(4) for groupby in (0, 5)) if r]
+    if not found:
+        return None
+    best = min(found, key=lambda r: (r.plan.swap_out_bytes, r.plan.predicted["step_time_s"]))
+    params = TflmsParams(**{k: best.plan.parameters[k] for k in ("swapout_threshold", "swapin_ahead",
+                                                                   "swapin_groupby", "sync_mode")})
+    threshold = 2
+    while threshold < max(prepared.schedule.levels, default=0):
+        better = attempt(replace(params, swapout_threshold=threshold))
+        if better is None or better.plan.swap_out_bytes >= best.plan.swap_out_bytes:
+            break
+        best, threshold = better, threshold * 2
+    line = (f"[LMS] the simulator keeps the step's order and finds no plan in it; with TFLMS parameters "
+            f"{TflmsParams(**{k: best.plan.parameters[k] for k in params.__dict__}).line()} Grappler's scheduler "
+            f"orders the step differently and its estimate fits ({best.plan.grappler['peak_bytes']:,} bytes)")
+    return replace(best, log=best.log + (line,), judge="grappler")
+
+
+def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(), check: bool = True,
+                 host_device: str = DEFAULT_HOST_DEVICE, guard: bool = True) -> TuneResult:
     """Plan with the simulator, then check the plan twice, replanning until both agree:
 
     * the optimizer guard: Grappler's default optimizations must treat the rewritten graph as they
@@ -106,14 +165,19 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
         return result
     manual = options.strategy == "tflms" and options.tflms is not None
     estimate_rounds = guard_rounds = 0
-    notes: list[str] = []
+
+    def noted(result):
+        if not forbidden:
+            return result
+        line = (f"[LMS] left {len(forbidden)} tensor(s) unswapped: a swap node there changes what Grappler's "
+                f"optimizations do to the graph, and with it the last bits of the results ({guard_rounds} round(s))")
+        return replace(result, log=result.log + (line,))
+
     while True:
         meta, _ = rewrite(prepared, result.plan, host_device=host_device, force=True)
         tensors, _ops = optimizer_culprits(prepared, result.plan, meta) if guard else ((), ())
         if tensors:
             forbidden.update(tensors)
-            notes.append(f"[LMS] left {len(tensors)} tensor(s) unswapped: a swap node there changes what Grappler's "
-                         "optimizations do to the graph, and with it the last bits of the results")
             guard_rounds += 1
             if guard_rounds <= GUARD_ROUNDS:  # plan again without them ...
                 options = replace(options, forbidden=frozenset(forbidden))
@@ -122,16 +186,16 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
                 result = replace(result, plan=optguard.without(result.plan, tensors, ()))
             continue
         if not check:
-            return replace(result, log=result.log + tuple(notes),
-                           plan=replace(result.plan, grappler={"left_alone": sorted(forbidden)} if forbidden else {}))
+            return noted(replace(result, plan=replace(result.plan, grappler={"left_alone": sorted(forbidden)}
+                                                      if forbidden else {})))
         figures = check_with_grappler(prepared, result.plan, host_device, rewritten=meta)
         estimate_rounds += 1
         figures["rounds"] = estimate_rounds
         figures["margin_bytes"] = max(margins.values(), default=0)
         figures["left_alone"] = sorted(forbidden)
-        result = replace(result, plan=replace(result.plan, grappler=figures), log=result.log + tuple(notes))
+        result = replace(result, plan=replace(result.plan, grappler=figures))
         if figures["fits"] or manual:
-            return result
+            return noted(result)
         if estimate_rounds >= GRAPPLER_ROUNDS:
             break
         per_device = figures.get("per_device") or {prepared.schedule.device: figures}

@@ -101,6 +101,7 @@ class GraphView:
     def __init__(self, graph_def, tensors: dict[str, Sequence[TensorInfo]] | None = None):
         nodes = list(graph_def.node)
         self.node_defs = nodes
+        self.library = tuple(graph_def.library.function)
         self.names: list[str] = [n.name for n in nodes]
         self.ops: list[str] = [n.op for n in nodes]
         self.devices: list[str] = [n.device for n in nodes]

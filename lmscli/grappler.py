@@ -137,6 +137,10 @@ def tensor_sizes(meta_graph, fetches) -> dict:
             for dev in step_stats.dev_stats for ns in dev.node_stats for o in ns.output}
 
 
+CALL_OPS = frozenset({"If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase", "PartitionedCall",
+                      "StatefulPartitionedCall"})
+
+
 def optimize(meta_graph, fetches):
     """The GraphDef that Grappler's default optimizations (as a Session runs them on this machine)
     make of ``meta_graph`` for a step fetching ``fetches``; None if Grappler refuses the graph."""
@@ -162,4 +166,7 @@ def fused_away(graph_def, optimized) -> frozenset:
     if optimized is None:
         return frozenset()
     kept = {node.name for node in optimized.node}
-    return frozenset(node.name for node in graph_def.node if node.name not in kept)
+    # Function calls (functional If/While, PartitionedCall, calls of library functions) are inlined,
+    # not fused: their inputs are ordinary tensors, and the optimizer guard checks each plan anyway.
+    calls = CALL_OPS | {f.signature.name for f in graph_def.library.function}
+    return frozenset(node.name for node in graph_def.node if node.name not in kept and node.op not in calls)

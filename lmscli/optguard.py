@@ -1,77 +1,140 @@
 """The optimizer guard: a rewrite must not change what Grappler's optimizations do to the graph.
 
 A Session runs Grappler's default optimizations (arithmetic simplification, constant folding,
-remapping into fused kernels, ...) on every graph before running it. A swap node in the middle of
-a pattern can stop a rewrite the original graph got; the kernels that run instead round
-differently in the last bit, and training is no longer bit-identical. The fused-edge rules in
-:mod:`lmscli.candidates` avoid the patterns known in advance; the guard checks every plan:
+remapping into fused kernels, function inlining, ...) on every graph before running it. A swap
+node in the middle of a pattern can stop a rewrite the original graph got; the kernels that run
+instead round differently in the last bit, and training is no longer bit-identical. The
+fused-edge rules in :mod:`lmscli.candidates` avoid the patterns known in advance; the guard
+checks every plan:
 
     original  --Grappler-->  optimized original   \\
-                                                     compare node by node, looking through
-    rewritten --Grappler-->  optimized rewritten  /  Identity nodes (the swap nodes among them)
+                                                     compare what each node computes, looking
+    rewritten --Grappler-->  optimized rewritten  /  through Identity nodes (the swap nodes)
 
-Nodes that come out differently name the graph nodes involved; the swaps, waiters, triggers and
-serialized ops that touch them are the culprits, which the planner then leaves alone.
+Nodes are compared by a digest of what they compute (op, attributes, the digests of their
+inputs), not by name: Grappler names the nodes it makes after their inputs and with counters,
+which a swap node changes without changing any result. The first nodes that come out differently
+name the graph nodes involved; the swaps, waiters, triggers and serialized ops that touch them
+are the culprits, which the planner then leaves alone.
 """
 
 from __future__ import annotations
+
+import hashlib
+import re
 
 from lmscli.graphview import parse_input
 from lmscli.rewriter import SCOPE
 
 _TRANSPARENT = frozenset({"Identity", "NoOp"})
+_CONSTANT = frozenset({"Const", "HostConst"})
+# Two-operand ops whose result does not depend on operand order, bit for bit (IEEE addition and
+# multiplication are commutative; only the order of more than two terms matters). Grappler sorts
+# some operands by name, and a swap node's name sorts elsewhere than its producer's.
+_COMMUTATIVE = frozenset({"Add", "AddV2", "AddN", "Mul", "Maximum", "Minimum", "SquaredDifference"})
+# The function inliner numbers the nodes it makes with one counter for the whole graph.
+_COUNTER = re.compile(r"/_\d+(?=/|:|$)")
 
 
-def _canonical(graph_def) -> tuple[dict, dict]:
-    """``(node name -> (op, data inputs, attrs), resolve)``: inputs are resolved through Identity
-    nodes to the tensor they carry; Identity and NoOp nodes themselves are left out."""
-    identity = {}
-    for node in graph_def.node:
-        if node.op == "Identity" and node.input and not node.input[0].startswith("^"):
-            identity[node.name] = node.input[0]
+def _stable(name: str) -> str:
+    return _COUNTER.sub("/_", name)
+
+
+def _data(node) -> list[str]:
+    return [i for i in node.input if not i.startswith("^")]
+
+
+def digests(graph_def) -> tuple[dict, object]:
+    """``(node name -> digest, resolve)``. A node's digest hashes its op, its attributes and the
+    digests of its data inputs (of two-operand commutative ops in sorted order), not its name.
+    Identity nodes take their input's digest (swap nodes are Identity), constants are hashed by
+    value, and sources (no data inputs) by their name. ``resolve`` maps an input to the node it
+    reads, through Identity nodes."""
+    nodes = {node.name: node for node in graph_def.node}
 
     def resolve(text: str) -> str:
-        for _ in range(len(identity) + 1):
+        for _ in range(len(nodes) + 1):
             name, output, _ = parse_input(text)
-            if output == 0 and name in identity:
-                text = identity[name]
-            else:
-                break
-        name, output, _ = parse_input(text)
-        return name if output == 0 else f"{name}:{output}"
+            node = nodes.get(name)
+            if node is None or node.op != "Identity" or output != 0 or not _data(node):
+                return name
+            text = _data(node)[0]
+        return parse_input(text)[0]
 
-    table = {}
-    for node in graph_def.node:
-        if node.op in _TRANSPARENT:
-            continue
-        attrs = tuple(sorted((k, v.SerializeToString(deterministic=True)) for k, v in node.attr.items()
-                             if not k.startswith("_")))
-        table[node.name] = (node.op, tuple(resolve(i) for i in node.input if not i.startswith("^")), attrs)
-    return table, resolve
+    digest: dict[str, str] = {}
+    state: dict[str, int] = {}  # 1: being computed (a while loop's back edge may read it), 2: done
+
+    def tensor(text: str) -> str:
+        name, output, _ = parse_input(text)
+        if state.get(name) != 2:
+            return f"loop:{_stable(name)}:{output}"
+        return digest[name] if output == 0 else f"{digest[name]}:{output}"
+
+    for root in nodes:
+        stack = [root]
+        while stack:  # depth-first, inputs before the node (no recursion: graphs are deep)
+            name = stack[-1]
+            if state.get(name) == 2:
+                stack.pop()
+                continue
+            node = nodes[name]
+            if name not in state:
+                state[name] = 1
+                stack.extend(n for n in (parse_input(i)[0] for i in _data(node)) if n in nodes and n not in state)
+                continue
+            stack.pop()
+            data = [tensor(i) for i in _data(node)]
+            if node.op == "Identity" and data:
+                digest[name] = data[0]
+                state[name] = 2
+                continue
+            if node.op in _CONSTANT:
+                value = repr(("const", node.attr["value"].SerializeToString(deterministic=True),
+                              node.attr["dtype"].SerializeToString()))
+            else:
+                if node.op in _COMMUTATIVE and len(data) == 2:
+                    data.sort()
+                attrs = sorted((k, v.SerializeToString(deterministic=True)) for k, v in node.attr.items()
+                               if not k.startswith("_"))
+                value = repr((node.op, attrs, data, None if data else _stable(name)))
+            digest[name] = hashlib.sha256(value.encode()).hexdigest()
+            state[name] = 2
+    return digest, resolve
 
 
 def involved(optimized_original, optimized_rewritten) -> frozenset:
-    """Names of the graph nodes around every node that Grappler optimizes differently in the
-    rewritten graph (the node and the producers of its inputs, in either version); empty when
-    both optimize alike. Swap nodes (``lms/``) are looked through."""
-    a, _ = _canonical(optimized_original)
-    b, _ = _canonical(optimized_rewritten)
+    """Names of the graph nodes around the first places where Grappler optimizes the rewritten
+    graph differently from the original: each node computing something the other graph does not
+    while its inputs are computed by both, and the nodes those inputs come from. Empty when both
+    come out alike. Swap nodes (``lms/``) are looked through."""
+    a, b = digests(optimized_original), digests(optimized_rewritten)
     names: set[str] = set()
-
-    def add(name: str, entries) -> None:
-        names.add(name)
-        for entry in entries:
-            if entry is not None:
-                names.update(parse_input(i)[0] for i in entry[1])
-
-    for name, entry in a.items():
-        other = b.get(name)
-        if other != entry:
-            add(name, (entry, other))
-    for name, entry in b.items():
-        if name not in a and not name.startswith(SCOPE):
-            add(name, (entry,))
+    for graph, (mine, resolve), (theirs, _) in ((optimized_original, a, b), (optimized_rewritten, b, a)):
+        present = set(theirs.values())
+        for node in graph.node:
+            if node.op in _TRANSPARENT or node.op in _CONSTANT or mine[node.name] in present:
+                continue
+            sources = [resolve(i) for i in _data(node)]
+            if all(mine[s] in present for s in sources if s in mine):  # a first difference
+                names.add(node.name)
+                names.update(sources)
     return frozenset(n for n in names if not n.startswith(SCOPE))
+
+
+def around(view, names, hops: int) -> frozenset:
+    """``names`` and the nodes of the original graph (``view``) within ``hops`` edges of them, in
+    either direction. An optimization decided at one node may show only at the next: a pattern
+    test on an input's producer fails when a swap node stands in between."""
+    frontier = {view.index[n] for n in names if n in view.index}
+    seen = set(frontier)
+    for _ in range(hops):
+        nxt = set()
+        for i in frontier:
+            nxt.update(view.predecessors(i))
+            nxt.update(view.successors(i))
+        frontier = nxt - seen
+        seen |= frontier
+    return frozenset(names) | {view.names[i] for i in seen}
 
 
 def culprits(plan, names: frozenset) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -65,9 +65,12 @@ class TuneResult:
     necessary: bool
     log: tuple[str, ...] = field(default=())
     per_device: tuple = field(default=())  # (GPU, TuneResult) per GPU, for graphs placed on several
+    judge: str = "simulator"  # "grappler": the plan fits only in Grappler's order (api.reordering_fallback)
 
     @property
     def fits(self) -> bool:
+        if self.judge == "grappler":
+            return bool(self.plan.grappler.get("fits"))
         if self.per_device:
             return all(r.fits for _, r in self.per_device)
         return self.result.peak_bytes <= self.budget

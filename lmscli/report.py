@@ -162,6 +162,8 @@ def render_tune(console: Console, result, details: dict | None = None) -> None:
     t.add_row("budget", format_size(budget) if budget else "none: TFLMS parameters applied as given")
     t.add_row("peak without swapping", format_size(pred["peak_bytes_without_plan"]))
     verdict = "[green]fits[/]" if result.fits else "[red]does not fit[/]"
+    if result.judge == "grappler":
+        verdict = "over, in the original op order; the plan's control edges reorder the step: see Grappler's estimate"
     t.add_row("predicted peak with plan", f"[bold]{format_size(pred['peak_bytes'])}[/] ({verdict})")
     if plan.grappler.get("peak_bytes") is not None:
         g = plan.grappler

@@ -45,6 +45,7 @@ class StepRun:
     losses: tuple  # one array per step (the fetched loss, if the graph has one)
     variables: dict  # name -> final value
     placements: dict  # node name -> device it ran on (for the lms/ nodes)
+    outputs: tuple = ()  # per step, the values of the fetched ops' outputs (graphs without variables)
 
 
 @dataclass(frozen=True)
@@ -259,21 +260,26 @@ def run_steps(meta_graph, fetches, steps: int = 1, batch_size: int = 2, loss: st
         g = import_graph(meta, fetches, loss)
         with tf.compat.v1.Session(graph=g.graph, config=session_config(optimize)) as sess:
             sess.run(g.init)
-            losses = []
+            losses, outputs = [], []
+            # A graph without variables (a frozen inference graph) changes no state: what it
+            # computes is what its fetched ops output, so those are compared.
+            produced = [] if g.variables else [t for op in g.targets for t in op.outputs if t.dtype.is_numpy_compatible]
             for step in range(steps):
-                fetch = {"train": g.targets}
+                fetch = {"train": g.targets, "outputs": produced}
                 if g.loss is not None:
                     fetch["loss"] = g.loss
                 out = sess.run(fetch, feed_dict=feeds(g.placeholders, batch_size, step))
                 if g.loss is not None:
                     losses.append(np.asarray(out["loss"]))
+                if produced:
+                    outputs.append({t.name: np.asarray(v) for t, v in zip(produced, out["outputs"])})
             values = dict(zip((v.name for v in g.variables), sess.run(g.variables)))
         placements = {op.name: op.device for op in g.graph.get_operations() if op.name.startswith("lms/")}
     except LmsError:
         raise
     except Exception as exc:
         raise failed_run(exc) from None
-    return StepRun(tuple(losses), values, placements)
+    return StepRun(tuple(losses), values, placements, tuple(outputs))
 
 
 @dataclass(frozen=True)
@@ -294,6 +300,10 @@ def compare(a: StepRun, b: StepRun) -> Difference | None:
         only = sorted(set(a.variables) ^ set(b.variables))
         return Difference(None, None, None, f"different variables ({', '.join(only[:3])})")
     loss_step = next((i for i, (x, y) in enumerate(zip(a.losses, b.losses)) if x.tobytes() != y.tobytes()), None)
+    for step, (x, y) in enumerate(zip(a.outputs, b.outputs)):
+        for name in sorted(x):
+            if name not in y or x[name].shape != y[name].shape or x[name].tobytes() != y[name].tobytes():
+                return Difference(step, None, None, f"output {name} at step {step}")
     variable = max_diff = None
     for name in sorted(a.variables):
         x, y = a.variables[name], b.variables[name]
@@ -378,13 +388,14 @@ class Verification:
     original: GraphFigures
     rewritten: GraphFigures
     notes: tuple[str, ...] = field(default=())
+    outputs: int = 0  # fetched output tensors compared (graphs without variables)
 
     def to_dict(self) -> dict:
         return {"schema": "lms.verify", "version": SCHEMA_VERSION, "identical": self.identical,
                 "first_difference": self.difference.message if self.difference else None,
                 "first_different_variable": self.difference.variable if self.difference else None,
                 "steps": self.steps, "batch_size": self.batch_size, "loss": self.loss,
-                "variables": self.variables, "fetches": list(self.fetches),
+                "variables": self.variables, "outputs": self.outputs, "fetches": list(self.fetches),
                 "original": self.original.to_dict(), "rewritten": self.rewritten.to_dict(),
                 "notes": list(self.notes)}
 
@@ -497,4 +508,4 @@ def verify(original, rewritten, steps: int = 2, batch_size: int | None = None, m
             text += ", which does not explain the gap"
         notes.append(text)
     return Verification(diff is None, diff, steps, run_batch, loss, len(a.variables), fetches,
-                        figures_a, figures_b, tuple(notes))
+                        figures_a, figures_b, tuple(notes), len(a.outputs[0]) if a.outputs else 0)

@@ -49,6 +49,8 @@ def _render(console, result) -> None:
     table.add_row("swap nodes", str(a.swap_nodes), str(b.swap_nodes), "")
     console.print(table)
     what = f"loss and {result.variables} variables" if result.loss else f"{result.variables} variables"
+    if result.outputs:
+        what = f"{result.outputs} fetched output tensor(s)"
     if result.identical:
         console.print(f"[bold green]identical[/]: {what} bit-identical after {result.steps} "
                       f"step{'s' if result.steps != 1 else ''}")

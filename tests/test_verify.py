@@ -303,3 +303,41 @@ def test_every_other_sample_verifies_identical(name, tmp_path):
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert doc["identical"] is True and doc["rewritten"]["swap_nodes"] > 0
+
+
+def _frozen_skip_net(path):
+    """A frozen inference GraphDef whose first activation is read again at the end (a skip)."""
+    import numpy as np
+
+    tf = tensorflow()
+    graph = tf.Graph()
+    rng = np.random.default_rng(0)
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2, 32, 32, 8], name="input")
+        first = h = tf.nn.relu(tf.nn.conv2d(x, tf.constant(rng.normal(0, 0.1, (3, 3, 8, 8)).astype("float32")), 1, "SAME"))
+        for k in range(4):
+            h = tf.nn.relu(tf.nn.conv2d(h, tf.constant(rng.normal(0, 0.1, (3, 3, 8, 8)).astype("float32")), 1, "SAME"),
+                           name=f"block{k}")
+        tf.identity(tf.reduce_sum(tf.concat([h, first], -1), [1, 2]), name="output")
+    path.write_bytes(graph.as_graph_def().SerializeToString(deterministic=True))
+    return path
+
+
+def test_frozen_graphs_compare_their_outputs(tmp_path):
+    """A frozen inference graph has no loss and no variables: verify compares the fetched outputs,
+    so a rewrite that changes a value (a swap-in turned into a negation) is caught."""
+    from tests.conftest import invoke
+
+    original = _frozen_skip_net(tmp_path / "skip.pb")
+    out = tmp_path / "skip.lms.pb"
+    made = invoke(CliRunner(), "rewrite", original, out, "--swapout-threshold", "2", "-q")
+    assert made.exit_code == 0, made.output
+    same = _run(original, out, "--no-measure", "--json")
+    assert same.exit_code == 0 and json.loads(same.stdout)["outputs"] == 1
+    model = api.load(str(out))
+    swap_in = next(n for n in model.graph_def.node if n.name.startswith("lms/swapin/"))
+    swap_in.op = "Neg"
+    broken = tmp_path / "broken.pb"
+    api.save(model, model.meta_graph, str(broken))
+    result = _run(original, broken, "--no-measure", "--json")
+    assert result.exit_code == 4 and "output" in json.loads(result.stdout)["first_difference"]
