@@ -31,6 +31,7 @@ __all__ = [
 
 GRAPPLER_ROUNDS = 4  # plans re-made with a tighter budget while Grappler's estimate is over it
 GUARD_ROUNDS = 4  # plans re-made without the swaps that change Grappler's optimizations
+FALLBACK_SHARE = 0.85  # budgets this share of the lower bound and above get the reordering fallback
 GUARD_HOPS = 4  # how far from a node Grappler optimizes differently a swap is held responsible
 
 
@@ -97,9 +98,11 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
     with Grappler's estimate as the judge (:func:`reordering_fallback`)."""
     try:
         return checked_tune(prepared, device, options, check, host_device, guard)
-    except NoFitError:
+    except NoFitError as exc:
         if not check or options.tflms is not None:
             raise
+        if exc.bound_bytes is not None and device.budget < FALLBACK_SHARE * exc.bound_bytes:
+            raise  # reordering has won 8-13% below the bound on the graphs tried, never this much
         fallback = reordering_fallback(prepared, device, options, host_device, guard)
         if fallback is None:
             raise

@@ -11,6 +11,8 @@ The library raises these; only the CLI turns them into exit codes.
 | 4    | ``lms verify``: the graphs compute different results |
 """
 
+from __future__ import annotations
+
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -37,6 +39,11 @@ class PlanError(LmsError):
 
 
 class NoFitError(LmsError):
-    """No swap plan fits the budget. A result, not a crash."""
+    """No swap plan fits the budget. A result, not a crash. ``bound_bytes``: the lower bound of
+    the step's order, when the budget is below it."""
 
     exit_code = EXIT_NO_FIT
+
+    def __init__(self, message: str, bound_bytes: int | None = None):
+        super().__init__(message)
+        self.bound_bytes = bound_bytes

@@ -580,7 +580,7 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
         bound = binding(prepared, set(ctx.cands), baseline)
         lb = bound.bytes
         if lb > budget:
-            raise NoFitError(_no_fit_message(ctx, bound, budget))
+            raise NoFitError(_no_fit_message(ctx, bound, budget), bound_bytes=lb)
         if options.strategy == "tflms":
             try:
                 swaps, chosen, result = plan_tflms(ctx, budget_act, log, options.sync_mode)

@@ -290,3 +290,65 @@ def test_everything_else_is_preserved(samples, tmp_path):
         assert all(i in node.input for i in kept)
         assert len(new.input) - len(kept) >= len(rewired)
     assert len(new_nodes) == len(old.graph_def.node) + result.plan.predicted["swap_outs"] + result.plan.predicted["swap_ins"]
+
+
+def test_below_the_bound_of_the_original_order_grapplers_order_may_fit(samples):
+    """The lower bound is that of the step's original order. Just below it the simulator has no
+    plan, but TFLMS parameters whose control edges make Grappler's scheduler reorder the step can
+    fit Grappler's estimate: lms takes such a plan, says so, and it trains bit-identically."""
+    model = api.load(str(samples / "cnn.meta"))
+    prepared = api.prepare(model)
+    facts = api.analyze(prepared)
+    budget = int(facts.lower_bound_bytes * 0.97)
+    device = api.make_device(gpu_mem=budget, reserve=0.0)
+    with pytest.raises(NoFitError):
+        api.tune(prepared, device, check=False)  # the simulator alone: no plan
+    result = api.tune(prepared, device)
+    assert result.judge == "grappler" and result.fits
+    assert result.plan.grappler["fits"] and result.plan.grappler["peak_bytes"] <= budget
+    assert any("orders the step differently" in line for line in result.log)
+    new_graph, _ = api.rewrite(prepared, result.plan)
+    assert grappler.estimate_peak(new_graph, model.fetches).gpu_peak_bytes + prepared.schedule.resident_bytes <= budget
+    before = verify.run_steps(model.meta_graph, model.fetches, steps=2)
+    assert verify.first_difference(before, verify.run_steps(new_graph, model.fetches, steps=2)) is None
+    # Far below the bound no reordering helps: the answer stays "no plan", quickly.
+    with pytest.raises(NoFitError, match="no swap plan can fit"):
+        api.tune(prepared, api.make_device(gpu_mem=int(facts.lower_bound_bytes * 0.5), reserve=0.0))
+
+
+def test_functional_if_inputs_are_swapped_and_stay_identical(tmp_path):
+    """Control flow v2 (what Keras builds without a learning phase): batch-norm-like work inside
+    functional If ops, whose bodies live in the function library. Grappler inlines the calls, so
+    lms may swap the tensors they read (the optimizer guard checks the inlined result)."""
+    tf = tensorflow()
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    was_v2 = v1.control_flow_v2_enabled()
+    v1.enable_control_flow_v2()
+    with graph.as_default():
+        v1.set_random_seed(0)
+        x = v1.placeholder(tf.float32, [4, 32, 32, 8], name="images")
+        training = v1.placeholder_with_default(True, [], name="training")
+        h = x
+        for k in range(4):
+            w = v1.get_variable(f"w{k}", [3, 3, 8, 8], initializer=v1.truncated_normal_initializer(0.0, 0.1, seed=k))
+            h = tf.nn.conv2d(h, w, 1, "SAME")
+            h = tf.cond(training, lambda h=h: tf.nn.relu(h - tf.reduce_mean(h)), lambda h=h: tf.nn.relu(h))
+        loss = tf.identity(tf.reduce_mean(tf.square(h)), name="loss")
+        v1.add_to_collection("train_op", v1.train.GradientDescentOptimizer(0.1).minimize(loss))
+        path = tmp_path / "if.meta"
+        v1.train.export_meta_graph(str(path), graph=graph)
+    if not was_v2:
+        v1.disable_control_flow_v2()
+    model = api.load(str(path))
+    prepared = api.prepare(model)
+    ifs = {n for n, op in zip(prepared.schedule.names, prepared.schedule.ops) if op in ("If", "StatelessIf")}
+    assert ifs
+    facts = api.analyze(prepared)
+    budget = (facts.lower_bound_bytes + facts.peak_bytes) // 2
+    result = api.tune(prepared, api.make_device(gpu_mem=budget, reserve=0.0))
+    assert result.plan.grappler["fits"]
+    assert any(c in ifs for s in result.plan.swaps for g in s.swap_ins for c in g.consumers)
+    new_graph, _ = api.rewrite(prepared, result.plan)
+    before = verify.run_steps(model.meta_graph, model.fetches, steps=2)
+    assert verify.first_difference(before, verify.run_steps(new_graph, model.fetches, steps=2)) is None
