@@ -20,7 +20,7 @@ from lmscli.device import Device, make_device
 from lmscli.errors import InputError, NoFitError, PlanError
 from lmscli.loader import Model, atomic_write, load, serialize
 from lmscli.plan import Plan, graph_fingerprint
-from lmscli.planner import TflmsParams, TuneOptions, TuneResult, serialization_chains
+from lmscli.planner import TFLMS_SEARCH_MAX_OPS, TflmsParams, TuneOptions, TuneResult, serialization_chains
 from lmscli.rewriter import DEFAULT_HOST_DEVICE, RewriteReport
 
 __all__ = [
@@ -103,6 +103,8 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
             raise
         if exc.bound_bytes is not None and device.budget < FALLBACK_SHARE * exc.bound_bytes:
             raise  # reordering has won 8-13% below the bound on the graphs tried, never this much
+        if len(prepared.schedule) > TFLMS_SEARCH_MAX_OPS:
+            raise  # eight guarded, Grappler-judged probes cost minutes on graphs this large
         fallback = reordering_fallback(prepared, device, options, host_device, guard)
         if fallback is None:
             raise
@@ -157,9 +159,8 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
 
     ``check=False`` skips the estimate, ``guard=False`` the guard. Grappler's figures are stored in
     ``plan.grappler``, with the tensors the guard left alone."""
-    from lmscli.planner import tune as plan_tune
-
     from lmscli import optguard
+    from lmscli.planner import tune as plan_tune
 
     margins: dict[str, int] = {}
     forbidden: set[str] = set()
