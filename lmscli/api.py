@@ -132,9 +132,11 @@ def reordering_fallback(prepared: Prepared, device: Device, options: TuneOptions
     found = [r for r in (attempt(TflmsParams(1, 1, groupby, sync)) for sync in range(4) for groupby in (0, 5)) if r]
     if not found:
         return None
+    def params_of(result) -> TflmsParams:
+        return TflmsParams(**{k: result.plan.parameters[k] for k in TflmsParams.__dataclass_fields__})
+
     best = min(found, key=lambda r: (r.plan.swap_out_bytes, r.plan.predicted["step_time_s"]))
-    params = TflmsParams(**{k: best.plan.parameters[k] for k in ("swapout_threshold", "swapin_ahead",
-                                                                   "swapin_groupby", "sync_mode")})
+    params = params_of(best)
     threshold = 2
     while threshold < max(prepared.schedule.levels, default=0):
         better = attempt(replace(params, swapout_threshold=threshold))
@@ -142,7 +144,7 @@ def reordering_fallback(prepared: Prepared, device: Device, options: TuneOptions
             break
         best, threshold = better, threshold * 2
     line = (f"[LMS] the simulator keeps the step's order and finds no plan in it; with TFLMS parameters "
-            f"{TflmsParams(**{k: best.plan.parameters[k] for k in params.__dict__}).line()} Grappler's scheduler "
+            f"{params_of(best).line()} Grappler's scheduler "
             f"orders the step differently and its estimate fits ({best.plan.grappler['peak_bytes']:,} bytes)")
     return replace(best, log=best.log + (line,), judge="grappler")
 

@@ -143,12 +143,6 @@ def build_schedules(view: GraphView, fetches, flops: float = 15.7e12, mem_bandwi
     return tuple(_describe(view, order, cost, [gpu_of[i] == device for i in order], device) for device in devices)
 
 
-def build_schedule(view: GraphView, fetches, flops: float = 15.7e12, mem_bandwidth: float = 900e9,
-                   trace=None) -> Schedule:
-    """The schedule of the first GPU (see :func:`build_schedules`)."""
-    return build_schedules(view, fetches, flops, mem_bandwidth, trace)[0]
-
-
 def _describe(view: GraphView, order: list[int], cost: dict, on_gpu: list[bool], device: str) -> Schedule:
     """The schedule of ``order`` as seen by one GPU: ``on_gpu`` marks its ops."""
     position = {node: pos for pos, node in enumerate(order)}
