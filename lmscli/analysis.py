@@ -292,14 +292,14 @@ def binding(prepared: Prepared, swappable: set[int], baseline: SimResult | None 
 def _call_notes(view: GraphView, active) -> tuple[str, ...]:
     """A note when the step calls functions of the graph's library: the tensors inside their
     bodies are not counted (only the calls' inputs and outputs are), nor swapped."""
-    from lmscli.grappler import CALL_OPS
+    from lmscli.grappler import call_ops
 
-    library = {f.signature.name for f in view.library}
-    calls = sorted({view.ops[i] for i in active if view.ops[i] in CALL_OPS or view.ops[i] in library})
-    count = sum(1 for i in active if view.ops[i] in CALL_OPS or view.ops[i] in library)
-    if not count:
+    callers = call_ops(view.library)
+    found = [view.ops[i] for i in active if view.ops[i] in callers]
+    if not found:
         return ()
-    return (f"{count} op(s) of the step call functions ({', '.join(calls[:4])}{', ...' if len(calls) > 4 else ''}); "
+    calls = sorted(set(found))
+    return (f"{len(found)} op(s) of the step call functions ({', '.join(calls[:4])}{', ...' if len(calls) > 4 else ''}); "
             "the tensors inside their bodies are neither counted nor swapped, so the peak of a step that runs "
             "mostly inside a function is underestimated",)
 

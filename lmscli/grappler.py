@@ -141,6 +141,12 @@ CALL_OPS = frozenset({"If", "StatelessIf", "While", "StatelessWhile", "Case", "S
                       "StatefulPartitionedCall"})
 
 
+def call_ops(functions) -> frozenset:
+    """Op types that call a function: the functional control-flow and call ops, and every function
+    of ``functions`` (a graph's library), which a node may name as its op."""
+    return CALL_OPS | {f.signature.name for f in functions}
+
+
 def optimize(meta_graph, fetches):
     """The GraphDef that Grappler's default optimizations (as a Session runs them on this machine)
     make of ``meta_graph`` for a step fetching ``fetches``; None if Grappler refuses the graph."""
@@ -168,5 +174,5 @@ def fused_away(graph_def, optimized) -> frozenset:
     kept = {node.name for node in optimized.node}
     # Function calls (functional If/While, PartitionedCall, calls of library functions) are inlined,
     # not fused: their inputs are ordinary tensors, and the optimizer guard checks each plan anyway.
-    calls = CALL_OPS | {f.signature.name for f in graph_def.library.function}
+    calls = call_ops(graph_def.library.function)
     return frozenset(node.name for node in graph_def.node if node.name not in kept and node.op not in calls)

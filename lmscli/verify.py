@@ -303,7 +303,7 @@ def compare(a: StepRun, b: StepRun) -> Difference | None:
     for step, (x, y) in enumerate(zip(a.outputs, b.outputs)):
         for name in sorted(x):
             if name not in y or x[name].shape != y[name].shape or x[name].tobytes() != y[name].tobytes():
-                return Difference(step, None, None, f"output {name} at step {step}")
+                return Difference(None, None, None, f"output {name} at step {step}")
     variable = max_diff = None
     for name in sorted(a.variables):
         x, y = a.variables[name], b.variables[name]
