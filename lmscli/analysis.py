@@ -47,17 +47,21 @@ class Prepared:
 
 
 def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grappler",
-            flops: float = 15.7e12, mem_bandwidth: float = 900e9) -> Prepared:
+            flops: float = 15.7e12, mem_bandwidth: float = 900e9, judge: str = "executor") -> Prepared:
     """Infer shapes (applying ``batch_size`` to unknown placeholder batch dims) and build the schedule.
 
     ``cost_model="grappler"`` orders and times ops by Grappler's virtual scheduler on a virtual
     GPU (TensorFlow's own analytical model); ``"roofline"`` uses our FLOP/byte model. If Grappler
-    cannot schedule the graph, the roofline model is used and a note says so.
+    cannot schedule the graph, the roofline model is used and a note says so. ``judge`` is the
+    memory model the schedule is counted by (:mod:`lmscli.memmodel`): ``executor`` (what a real
+    run allocates) or ``grappler`` (TensorFlow's static estimate).
     """
     from lmscli import shapes
 
     if cost_model not in ("grappler", "roofline"):
         raise InputError(f"unknown cost model {cost_model!r} (use grappler or roofline)")
+    if judge not in ("executor", "grappler"):
+        raise InputError(f"unknown judge {judge!r} (use executor or grappler)")
     graph_def = model.graph_def
     changed: list[str] = []
     if batch_size is not None:
@@ -81,7 +85,8 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
             trace = grappler.trace(meta, model.fetches)
         except LmsError as exc:
             model.notes.append(f"{exc}; ordering ops with the roofline cost model instead")
-    schedules = build_schedules(view, model.fetches, flops=flops, mem_bandwidth=mem_bandwidth, trace=trace)
+    schedules = build_schedules(view, model.fetches, flops=flops, mem_bandwidth=mem_bandwidth, trace=trace,
+                                memory_model=judge)
     schedule = schedules[0]
     if len(schedules) > 1:  # the GPU that needs the most memory speaks for the graph
         schedule = max(schedules, key=lambda s: simulate(s, detail=False).peak_bytes)
@@ -244,6 +249,8 @@ def binding(prepared: Prepared, swappable: set[int], baseline: SimResult | None 
     if n == 0:
         return Bound(schedule.resident_bytes, None, 0, (), 0, 0, ())
     base = baseline or simulate(schedule)
+    if schedule.memory_model == "executor":
+        return _executor_binding(schedule, swappable, base)
     starts, ends = base.starts, base.ends
     times = sorted(set(starts))
     index = {t: i for i, t in enumerate(times)}
@@ -287,6 +294,54 @@ def binding(prepared: Prepared, swappable: set[int], baseline: SimResult | None 
     ops = tuple(running[best_i])
     return Bound(best + schedule.resident_bytes, ops[0], time, ops, best_level,
                  sum(size[tid] for tid in best_touched), tuple(held[:10]))
+
+
+def _executor_binding(schedule: Schedule, swappable: set[int], base: SimResult) -> Bound:
+    """:func:`binding` under the executor's memory model: ops run one at a time, so the bound at
+    an op is the buffers it reads and writes (a buffer reused in place counted once), its kernel
+    scratch, every live buffer that no swap can move, and everything resident."""
+    from lmscli.memmodel import rounded, roots
+
+    n = len(schedule)
+    root = roots(schedule)
+    size: dict[int, int] = {}
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    movable: set[int] = set()
+    for t in schedule.tensors:
+        r = root[t.id]
+        if r < 0:
+            continue
+        if r == t.id:
+            size[r], first[r] = rounded(t.num_bytes), t.producer
+        last[r] = max(last.get(r, 0), t.consumers[-1] if t.consumers else t.producer)
+        if t.id in swappable:
+            movable.add(r)
+    pinned = [0] * (n + 1)
+    for r in size:
+        if r not in movable:
+            pinned[first[r]] += size[r]
+            pinned[last[r] + 1] -= size[r]
+    produced: dict[int, list[int]] = {}
+    for t in schedule.tensors:
+        produced.setdefault(t.producer, []).append(t.id)
+    scratch = schedule.scratch or (0,) * n
+    best, best_k, best_level, best_touched, level = -1, 0, 0, set(), 0
+    for k in range(n):
+        level += pinned[k]
+        touched = {root[tid] for tid in schedule.inputs[k] + tuple(produced.get(k, ()))
+                   if root[tid] >= 0 and root[tid] in movable}
+        total = level + sum(size[r] for r in touched) + scratch[k]
+        if total > best:
+            best, best_k, best_level, best_touched = total, k, level, touched
+    held = []
+    for r, num in size.items():
+        if r in best_touched or (r not in movable and first[r] <= best_k <= last[r]):
+            t = schedule.tensors[r]
+            held.append((f"{schedule.names[t.producer]}:{t.output}", num, r in movable))
+    held.sort(key=lambda h: (-h[1], h[0]))
+    return Bound(best + schedule.resident_bytes, best_k, base.starts[best_k], (best_k,), best_level,
+                 sum(size[r] for r in best_touched), tuple(held[:10]))
 
 
 def _call_notes(view: GraphView, active) -> tuple[str, ...]:

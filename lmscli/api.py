@@ -99,7 +99,7 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
     try:
         return checked_tune(prepared, device, options, check, host_device, guard)
     except NoFitError as exc:
-        if not check or options.tflms is not None:
+        if not check or options.tflms is not None or prepared.schedule.memory_model != "grappler":
             raise
         if exc.bound_bytes is not None and device.budget < FALLBACK_SHARE * exc.bound_bytes:
             raise  # reordering has won 8-13% below the bound on the graphs tried, never this much
@@ -156,8 +156,10 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
     * the optimizer guard: Grappler's default optimizations must treat the rewritten graph as they
       treat the original (else training is not bit-identical); swaps that change them are
       forbidden and the graph replanned;
-    * Grappler's memory estimate must fit (per GPU, for graphs placed on several); while it does
-      not, the budget is tightened by the overshoot.
+    * with ``--judge grappler`` (a schedule counted by Grappler's memory model), Grappler's memory
+      estimate must fit (per GPU, for graphs placed on several); while it does not, the budget is
+      tightened by the overshoot. Under the executor model (the default) the simulator is the
+      judge and Grappler's estimate is recorded as a second opinion.
 
     ``check=False`` skips the estimate, ``guard=False`` the guard. Grappler's figures are stored in
     ``plan.grappler``, with the tensors the guard left alone."""
@@ -200,8 +202,8 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
         figures["margin_bytes"] = max(margins.values(), default=0)
         figures["left_alone"] = sorted(forbidden)
         result = replace(result, plan=replace(result.plan, grappler=figures))
-        if figures["fits"] or manual:
-            return noted(result)
+        if figures["fits"] or manual or prepared.schedule.memory_model != "grappler":
+            return noted(result)  # under the executor model, Grappler's estimate is a second opinion
         if estimate_rounds >= GRAPPLER_ROUNDS:
             break
         per_device = figures.get("per_device") or {prepared.schedule.device: figures}
@@ -211,15 +213,15 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
         result = plan_tune(prepared, device, options, margin=dict(margins))
     raise NoFitError(f"the simulator found plans, but Grappler's estimate stayed over the budget after "
                      f"{GRAPPLER_ROUNDS} rounds (last {figures['peak_bytes']:,} bytes > {device.budget:,}); "
-                     "try a slightly larger --gpu-mem")
+                     "try a slightly larger --gpu-mem", budget_bytes=device.budget)
 
 
 def find_max_batch(model: Model, device: Device, options: TuneOptions = TuneOptions(), limit: int = 1 << 16,
-                   cost_model: str = "grappler"):
+                   cost_model: str = "grappler", judge: str = "executor"):
     """The largest batch size for which a plan fits ``device`` (exponential then binary search).
     Returns ``(batch_size, TuneResult, Prepared)``; raises NoFitError if batch 1 does not fit."""
     def attempt(batch: int):
-        prepared = prepare(model, batch_size=batch, cost_model=cost_model)
+        prepared = prepare(model, batch_size=batch, cost_model=cost_model, judge=judge)
         if not prepared.batched_placeholders:
             raise InputError("--find-max-batch needs a graph whose placeholders have an unknown batch dimension")
         try:

@@ -112,7 +112,10 @@ def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters()
     swap-ins; tensors named in ``forbidden`` (``"node:output"``, e.g. found by the optimizer
     guard) are never swapped."""
     out: dict[int, Candidate] = {}
+    no_gain = _no_gain(schedule)
     for t in schedule.tensors:
+        if t.id in no_gain:
+            continue
         p = t.producer
         node = schedule.nodes[p]
         op = view.ops[node]
@@ -139,3 +142,44 @@ def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters()
         if rewirable:
             out[t.id] = Candidate(t.id, tuple(rewirable), tuple(pinned))
     return out
+
+
+def _no_gain(schedule: Schedule) -> set[int]:
+    """Executor model: tensors whose swap frees nothing. A variable read is the variable's own
+    buffer; a tensor whose buffer another tensor still needs after it is made keeps it. Outputs
+    that reuse a tensor's buffer in place do not count: a swap-out holds the buffer, so
+    the kernel allocates instead (see :func:`lmscli.simulator._executor_events`)."""
+    if schedule.memory_model != "executor" or not schedule.shares:
+        return set()
+    from lmscli.memmodel import roots
+
+    root = roots(schedule)
+    members: dict[int, list[int]] = {}
+    out = set()
+    for t in schedule.tensors:
+        if root[t.id] >= 0:
+            members.setdefault(root[t.id], []).append(t.id)
+        else:
+            out.add(t.id)
+    for group in members.values():
+        if len(group) < 2:
+            continue
+        for tid in group:
+            made = schedule.tensors[tid].producer
+            if any(_last(schedule.tensors[m]) > made for m in group if m != tid and not _in_place_from(schedule, m, tid)):
+                out.add(tid)
+    return out
+
+
+def _in_place_from(schedule: Schedule, m: int, tid: int) -> bool:
+    """Does ``m`` share ``tid``'s buffer through an in-place reuse of ``tid`` itself (directly or
+    further down the chain)?"""
+    while m >= 0 and schedule.shares[m] >= 0:
+        if schedule.shares[m] == tid:
+            return bool(schedule.in_place[m])
+        m = schedule.shares[m]
+    return False
+
+
+def _last(t) -> int:
+    return t.consumers[-1] if t.consumers else t.producer

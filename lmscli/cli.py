@@ -6,6 +6,7 @@ Exit codes (also in the README): 0 success; 1 bad input or a failed run; 2 usage
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -69,7 +70,7 @@ def cli(ctx, debug):
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    if ctx.invoked_subcommand == "verify":
+    if ctx.invoked_subcommand in ("verify", "measure"):
         # oneDNN's CPU kernels may sum in another order for a buffer that arrived through a swap
         # (another address and alignment): 1e-7 differences that say nothing about the rewrite.
         # Verification compares computations, so it runs TensorFlow's own kernels.
@@ -163,7 +164,10 @@ def plan_options(func):
                   help="Never rewire consumers under SCOPE to a swap-in.")
     @click.option("--exclude-consumer-type", multiple=True, metavar="OP",
                   help="Never rewire consumers of type OP to a swap-in.")
-    @click.option("--no-grappler-check", is_flag=True, help="Skip checking the plan with Grappler's estimate.")
+    @click.option("--judge", type=click.Choice(["executor", "grappler"]), default="executor", show_default=True,
+                  help="What decides that a plan fits: the simulator of TensorFlow's executor (what a run really "
+                       "allocates), or Grappler's static estimate (conservative; today's TFLMS-like behaviour).")
+    @click.option("--no-grappler-check", is_flag=True, help="Skip Grappler's estimate of the plan (its second opinion).")
     @wraps(func)
     def wrapper(*args, **kwargs):
         return func(*args, **kwargs)
@@ -222,6 +226,21 @@ def _load(path, fmt, fetch, tag):
 
 def _emit_json(data: dict) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=False))
+
+
+@contextlib.contextmanager
+def _no_fit_json(schema: str, as_json: bool):
+    """With ``--json``, a no-plan answer is a document too (``fits: false`` and ``no_fit``), printed
+    before the error line and exit code 3."""
+    from lmscli.errors import NoFitError
+
+    try:
+        yield
+    except NoFitError as exc:
+        if as_json:
+            _emit_json({"schema": schema, "version": 1, "fits": False, "necessary": True, "plan": None,
+                        "no_fit": exc.to_dict()})
+        raise
 
 
 def _log(lines, verbose: bool) -> None:
@@ -300,7 +319,7 @@ def analyze(model, fmt, fetch, tag, batch_size, plot, report_file, as_json, verb
 @report_option
 @output_options
 def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, host_mem, link, find_max_batch,
-         plan_out, plot, report_file, as_json, verbose, quiet, no_color, no_grappler_check, **plan_kwargs):
+         plan_out, plot, report_file, as_json, verbose, quiet, no_color, no_grappler_check, judge, **plan_kwargs):
     """Plan the least swapping that fits a GPU, and predict its cost."""
     from lmscli import api, report
 
@@ -310,16 +329,17 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
     options = _tune_options(**plan_kwargs)
     if find_max_batch:
         def probe():
-            return api.prepare(loaded, batch_size=batch_size or 1)
+            return api.prepare(loaded, batch_size=batch_size or 1, judge=judge)
 
-        with progress.phase("searching the largest batch size that fits"):
+        with progress.phase("searching the largest batch size that fits"), _no_fit_json("lms.tune", as_json):
             device = _device(probe, gpu_mem, device_preset, reserve, host_mem, link)
-            batch, result, prepared = api.find_max_batch(loaded, device, options)
+            batch, result, prepared = api.find_max_batch(loaded, device, options, judge=judge)
     else:
         with progress.phase("inferring shapes and scheduling the step"):
-            prepared = api.prepare(loaded, batch_size=batch_size)
+            prepared = api.prepare(loaded, batch_size=batch_size, judge=judge)
             device = _device(prepared, gpu_mem, device_preset, reserve, host_mem, link)
-        with progress.phase("tuning" + ("" if no_grappler_check else ", then checking the plan with Grappler")):
+        with progress.phase("tuning" + ("" if no_grappler_check else ", then checking the plan with Grappler")), \
+                _no_fit_json("lms.tune", as_json):
             result = api.tune(prepared, device, options, check=not no_grappler_check)
         batch = None
     result = api.with_link_predictions(prepared, result)
@@ -366,7 +386,7 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
 @output_options
 def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, host_mem, link, plan_file,
             serialize_levels, serialize_by_size, host_device, force, dry_run, plan_out, plot, report_file,
-            tensorboard_logdir, as_json, verbose, quiet, no_color, no_grappler_check, **plan_kwargs):
+            tensorboard_logdir, as_json, verbose, quiet, no_color, no_grappler_check, judge, **plan_kwargs):
     """Write MODEL with swap-out and swap-in operations to OUTPUT (same format)."""
     from dataclasses import replace
 
@@ -386,7 +406,7 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
         raise GraphError(f"{model}: the graph already contains lms/ swap nodes (it was rewritten before); "
                          "pass --force to rewrite it again")
     with progress.phase("inferring shapes and scheduling the step"):
-        prepared = api.prepare(loaded, batch_size=batch_size)
+        prepared = api.prepare(loaded, batch_size=batch_size, judge=judge)
     options = _tune_options(**plan_kwargs)
     if plan_file:
         try:
@@ -402,7 +422,8 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
         if gpu_mem is None and device_preset is None:
             gpu_mem = str(NO_BUDGET)  # manual TFLMS parameters: no budget to meet
         device = _device(prepared, gpu_mem, device_preset, reserve, host_mem, link)
-        with progress.phase("tuning" + ("" if no_grappler_check else ", then checking the plan with Grappler")):
+        with progress.phase("tuning" + ("" if no_grappler_check else ", then checking the plan with Grappler")), \
+                _no_fit_json("lms.rewrite", as_json):
             result = api.with_link_predictions(prepared, api.tune(prepared, device, options,
                                                                   check=not no_grappler_check))
         plan = result.plan

@@ -40,10 +40,19 @@ class PlanError(LmsError):
 
 class NoFitError(LmsError):
     """No swap plan fits the budget. A result, not a crash. ``bound_bytes``: the lower bound of
-    the step's order, when the budget is below it."""
+    the step's order; ``binding_op``: the op where the step needs most even with every possible
+    swap (or where planning got stuck); ``budget_bytes``: the budget that was asked for."""
 
     exit_code = EXIT_NO_FIT
 
-    def __init__(self, message: str, bound_bytes: int | None = None):
+    def __init__(self, message: str, bound_bytes: int | None = None, binding_op: str | None = None,
+                 budget_bytes: int | None = None):
         super().__init__(message)
         self.bound_bytes = bound_bytes
+        self.binding_op = binding_op
+        self.budget_bytes = budget_bytes
+
+    def to_dict(self) -> dict:
+        """The answer as JSON fields (``no_fit`` in the documents of ``tune`` and ``rewrite``)."""
+        return {"reason": str(self), "budget_bytes": self.budget_bytes, "lower_bound_bytes": self.bound_bytes,
+                "binding_op": self.binding_op}

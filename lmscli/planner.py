@@ -580,12 +580,14 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
         bound = binding(prepared, set(ctx.cands), baseline)
         lb = bound.bytes
         if lb > budget:
-            raise NoFitError(_no_fit_message(ctx, bound, budget), bound_bytes=lb)
+            op = sched.names[bound.position] if bound.position is not None else None
+            raise NoFitError(_no_fit_message(ctx, bound, budget), bound_bytes=lb, binding_op=op, budget_bytes=budget)
         if options.strategy == "tflms":
             try:
                 swaps, chosen, result = plan_tflms(ctx, budget_act, log, options.sync_mode)
             except _Stuck as stuck:
-                raise NoFitError(_stuck_message(ctx, stuck, "tflms", budget_act, lb)) from None
+                raise NoFitError(_stuck_message(ctx, stuck, "tflms", budget_act, lb), bound_bytes=lb,
+                                 binding_op=sched.names[stuck.position], budget_bytes=budget) from None
             params = chosen.__dict__.copy()
         else:
             swaps, result, params = _best_plan(ctx, budget_act, baseline, log, options, lb)
@@ -612,7 +614,7 @@ def _tune_each_gpu(prepared: Prepared, device: Device, options: TuneOptions, mar
             result = tune(prepared.for_device(name), device, options,
                           margin.get(name, 0) if isinstance(margin, dict) else margin)
         except NoFitError as exc:
-            raise NoFitError(f"on {name}: {exc}") from None
+            raise NoFitError(f"on {name}: {exc}", exc.bound_bytes, exc.binding_op, exc.budget_bytes) from None
         log = tuple(line.replace("[LMS]", f"[LMS][{k}]", 1) for line in result.log)
         results.append((name, replace(result, log=log)))
     worst = max((r for _, r in results), key=lambda r: r.result.peak_bytes)
@@ -650,7 +652,9 @@ def _best_plan(ctx: _Context, budget_act: int, baseline: SimResult, log: list[st
     else:
         _tflms_candidate(ctx, budget_act, options, found)
     if not found:
-        raise NoFitError(_stuck_message(ctx, stuck_at, "lms", budget_act, lb))
+        raise NoFitError(_stuck_message(ctx, stuck_at, "lms", budget_act, lb), bound_bytes=lb,
+                         binding_op=ctx.schedule.names[stuck_at.position],
+                         budget_bytes=budget_act + ctx.schedule.resident_bytes)
     found.sort(key=lambda f: f[:3])
     _bytes, _time, origin, swaps, result, params = found[0]
     if origin == 1:

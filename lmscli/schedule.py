@@ -45,6 +45,29 @@ class Schedule:
     variable_bytes: int  # variables placed on this GPU (resident for the whole step)
     constant_bytes: int
     device: str = DEFAULT_GPU  # the GPU this schedule describes (graphs may place ops on several)
+    memory_model: str = "grappler"  # how the simulator counts memory (see lmscli.memmodel)
+    shares: tuple[int, ...] = ()  # executor model: per tensor, the tensor whose buffer it shares
+    in_place: tuple[bool, ...] = ()  # executor model: per tensor, that link is an in-place reuse
+    scratch: tuple[int, ...] = ()  # per position, kernel scratch bytes held while the op runs
+
+    def with_scratch(self, by_name: dict) -> "Schedule":
+        """The same schedule with kernel scratch bytes per op name (e.g. measured on the stand-in)."""
+        from dataclasses import replace
+
+        return replace(self, scratch=tuple(int(by_name.get(name, 0)) for name in self.names))
+
+    def with_memory_model(self, memory_model: str) -> "Schedule":
+        """The same schedule counted by another memory model (``executor`` or ``grappler``)."""
+        from dataclasses import replace
+
+        from lmscli import memmodel
+
+        if memory_model not in memmodel.MODELS:
+            raise ValueError(f"unknown memory model {memory_model!r}")
+        shares, in_place = ((), ())
+        if memory_model == "executor":
+            shares, in_place = memmodel.sharing(self.ops, self.tensors, self.inputs, self.on_gpu)
+        return replace(self, memory_model=memory_model, shares=shares, in_place=in_place)
 
     @property
     def resident_bytes(self) -> int:
@@ -114,7 +137,7 @@ def first_ready_order(view: GraphView, active: set[int], cost: dict[int, int],
 
 
 def build_schedules(view: GraphView, fetches, flops: float = 15.7e12, mem_bandwidth: float = 900e9,
-                    trace=None) -> tuple[Schedule, ...]:
+                    trace=None, memory_model: str = "executor") -> tuple[Schedule, ...]:
     """Order the ops that a step of ``fetches`` runs and describe their tensors, once per GPU.
 
     ``trace`` (a :class:`lmscli.grappler.Trace`) supplies Grappler's execution order and op times;
@@ -140,7 +163,8 @@ def build_schedules(view: GraphView, fetches, flops: float = 15.7e12, mem_bandwi
         rank = {view.index[name]: r for r, name in enumerate(trace.order) if name in view.index}
     order = first_ready_order(view, active, cost, rank)
     devices = sorted({g for g in gpu_of.values() if g is not None}) or [DEFAULT_GPU]
-    return tuple(_describe(view, order, cost, [gpu_of[i] == device for i in order], device) for device in devices)
+    return tuple(_describe(view, order, cost, [gpu_of[i] == device for i in order], device).with_memory_model(memory_model)
+                 for device in devices)
 
 
 def _describe(view: GraphView, order: list[int], cost: dict, on_gpu: list[bool], device: str) -> Schedule:

@@ -134,27 +134,13 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
             records.append(("in", tid, s, in_end[(tid, g)]))
     step_time = max([clock, d2h_free, h2d_free])
 
-    # Memory events: (time, phase, kind, id, delta); phase 0 = allocation, 1 = free; kind 0 is a
-    # swap-in buffer, 1 a tensor. Plain tuples sort fastest.
-    events = []
-    host_events = []
-    for t in tensors:
-        p = t.producer
-        swap = swap_of.get(t.id)
-        events.append((start[p], 0, 1, t.id, t.num_bytes))
-        if swap is None:
-            last = t.consumers[-1] if t.consumers else p
-            events.append((end[last], 1, 1, t.id, -t.num_bytes))
-            continue
-        free_at = max([out_end[t.id]] + [end[c] for c in swap.near])
-        events.append((free_at, 1, 1, t.id, -t.num_bytes))
-        host_events.append((out_start[t.id], 0, t.num_bytes))
-        host_free = out_end[t.id]
-        for g, group in enumerate(swap.groups):
-            events.append((in_start[(t.id, g)], 0, 0, t.id, t.num_bytes))
-            events.append((end[group.consumers[-1]], 1, 0, t.id, -t.num_bytes))
-            host_free = max(host_free, in_end[(t.id, g)])
-        host_events.append((host_free, 1, -t.num_bytes))
+    # Memory events: (time, order, kind, id, delta); kind 0 is a swap-in buffer, 1 a tensor, 2 kernel
+    # scratch. Plain tuples sort fastest. Grappler's model orders an instant's allocations before
+    # its frees (order = phase); the executor's runs ops one after another (order = position).
+    if schedule.memory_model == "executor":
+        events, host_events = _executor_events(schedule, swap_of, start, end, out_start, out_end, in_start, in_end)
+    else:
+        events, host_events = _grappler_events(schedule, swap_of, start, end, out_start, out_end, in_start, in_end)
     events.sort()
 
     live = peak = 0
@@ -174,10 +160,18 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
             live += event[4]
             if live > peak:
                 peak, peak_index = live, idx
-    by_position = _by_position(start, end, events, by_time) if detail else ()
+    executor = schedule.memory_model == "executor"
+    if not detail:
+        by_position = ()
+    elif executor:
+        by_position = _by_order(n, events)
+    else:
+        by_position = _by_position(start, end, events, by_time)
     live_set: dict[tuple[str, int], int] = {}
     kinds = ("swapin", "tensor")
     for _time, _phase, kind, tid, delta in (events[: peak_index + 1] if detail else ()):
+        if kind > 1:
+            continue  # kernel scratch is not a tensor
         if delta > 0:
             live_set[(kinds[kind], tid)] = delta
         else:
@@ -185,6 +179,8 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
     live_at_peak = tuple(sorted(((k, t, b) for (k, t), b in live_set.items()), key=lambda x: (-x[2], x[1], x[0])))
     peak_time = events[peak_index][0] if peak_index >= 0 else 0
     peak_position = bisect.bisect_right(start, peak_time) - 1 if n else 0
+    if executor and peak_index >= 0:
+        peak_position = min(events[peak_index][1] // 4, n - 1)
 
     host_events.sort()
     host_live = host_peak = 0
@@ -217,6 +213,121 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
         starts=tuple(start),
         ends=tuple(end),
     )
+
+
+def _grappler_events(schedule, swap_of, start, end, out_start, out_end, in_start, in_end):
+    """Memory events of Grappler's accounting: every output a tensor of its own, live from its
+    producer's start to its last consumer's end; at one instant allocations come first."""
+    events = []
+    host_events = []
+    for t in schedule.tensors:
+        p = t.producer
+        swap = swap_of.get(t.id)
+        events.append((start[p], 0, 1, t.id, t.num_bytes))
+        if swap is None:
+            last = t.consumers[-1] if t.consumers else p
+            events.append((end[last], 1, 1, t.id, -t.num_bytes))
+            continue
+        free_at = max([out_end[t.id]] + [end[c] for c in swap.near])
+        events.append((free_at, 1, 1, t.id, -t.num_bytes))
+        host_events.append((out_start[t.id], 0, t.num_bytes))
+        host_free = out_end[t.id]
+        for g, group in enumerate(swap.groups):
+            events.append((in_start[(t.id, g)], 0, 0, t.id, t.num_bytes))
+            events.append((end[group.consumers[-1]], 1, 0, t.id, -t.num_bytes))
+            host_free = max(host_free, in_end[(t.id, g)])
+        host_events.append((host_free, 1, -t.num_bytes))
+    return events, host_events
+
+
+def _executor_events(schedule, swap_of, start, end, out_start, out_end, in_start, in_end):
+    """Memory events of TensorFlow's executor (see :mod:`lmscli.memmodel`): one buffer per group of
+    tensors sharing it (forwarded or reused in place), allocated when its first tensor's producer
+    starts and freed after the last use of any of them; ops one after another, each freeing what it
+    was the last to read before the next allocates; sizes rounded as the allocator rounds them.
+
+    Order keys are ``4 * position + phase``: 0 allocation, 1 scratch free, 2 free after an op,
+    3 free when a swap-out ends (after the allocations of the op running then)."""
+    from lmscli.memmodel import OWN, RESIDENT, rounded
+
+    tensors = schedule.tensors
+    shares, in_place = schedule.shares, schedule.in_place
+
+    def running(time: int) -> int:  # the op running (or last started) at ``time``
+        return max(bisect.bisect_right(start, time) - 1, 0)
+
+    def use_end(t) -> tuple[int, int]:  # when the GPU copy of ``t`` is last used
+        swap = swap_of.get(t.id)
+        if swap is None:
+            last = t.consumers[-1] if t.consumers else t.producer
+            return (end[last], 4 * last + 2)
+        key = (out_end[t.id], 4 * running(out_end[t.id]) + 3)
+        return max([key] + [(end[c], 4 * c + 2) for c in swap.near])
+
+    buffer_of: dict[int, tuple] = {}  # tensor id -> ("t", root id) or ("in", tensor id, group)
+    alloc: dict[tuple, tuple[int, int, int]] = {}  # buffer -> (time, order, bytes)
+    free: dict[tuple, tuple[int, int]] = {}
+    for t in tensors:
+        link = shares[t.id] if shares else OWN
+        if link == RESIDENT:
+            continue
+        if link == OWN or (in_place[t.id] and link in swap_of):
+            key = ("t", t.id)
+            alloc[key] = (start[t.producer], 4 * t.producer, rounded(t.num_bytes))
+        else:
+            key = buffer_of.get(link)
+            if key is None:
+                continue  # shares a resident buffer through a chain
+            source = swap_of.get(link)
+            if source is not None and not in_place[t.id]:  # forwarded from a swap-in it reads?
+                for g, group in enumerate(source.groups):
+                    if t.producer in group.consumers:
+                        key = ("in", link, g)
+                        break
+        buffer_of[t.id] = key
+        free[key] = max(free.get(key, (0, 0)), use_end(t))
+    events = []
+    host_events = []
+    for tid in sorted(swap_of):
+        t = tensors[tid]
+        swap = swap_of[tid]
+        host_events.append((out_start[tid], 0, t.num_bytes))
+        host_free = out_end[tid]
+        for g, group in enumerate(swap.groups):
+            key = ("in", tid, g)
+            at = in_start[(tid, g)]
+            alloc[key] = (at, 4 * running(at), rounded(t.num_bytes))
+            last = group.consumers[-1]
+            free[key] = max(free.get(key, (0, 0)), (end[last], 4 * last + 2))
+            host_free = max(host_free, in_end[(tid, g)])
+        host_events.append((host_free, 1, -t.num_bytes))
+    for key, (time, order, size) in alloc.items():
+        kind = 1 if key[0] == "t" else 0
+        tid = key[1]
+        events.append((time, order, kind, tid, size))
+        f_time, f_order = free.get(key, (time, order + 2))
+        events.append((f_time, f_order, kind, tid, -size))
+    for k, size in enumerate(schedule.scratch):
+        if size > 0:
+            events.append((start[k], 4 * k, 2, k, size))
+            events.append((end[k], 4 * k + 1, 2, k, -size))
+    return events, host_events
+
+
+def _by_order(n: int, events) -> tuple[int, ...]:
+    """Executor model: highest live bytes while each op runs (its own events and the level it
+    finds), from events sorted by (time, 4 * position + phase)."""
+    out = [0] * n
+    live = 0
+    j = 0
+    for k in range(n):
+        best = live
+        while j < len(events) and events[j][1] // 4 <= k:
+            live += events[j][4]
+            best = max(best, live)
+            j += 1
+        out[k] = best
+    return tuple(out)
 
 
 def _by_position(start, end, events, by_time) -> tuple[int, ...]:

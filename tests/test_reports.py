@@ -178,9 +178,9 @@ def test_terminal_report_is_plain_and_complete(terminal):
             assert line.rstrip()[-1] == BOX_PAIRS[line[0]], line
     for needed in ("device", "budget", "peak without swapping", "predicted peak with plan", "on nvlink2", "on pcie3",
                    "Memory over one training step", "Largest tensors live at the peak, with the plan",
-                   "Swapped tensors (29, largest first"):
+                   "Swapped tensors (5, largest first"):
         assert needed in text, needed
-    budget_rows = [line for line in lines if line.lstrip().startswith("budget 13.49 MiB ┤")]
+    budget_rows = [line for line in lines if line.lstrip().startswith("budget 10.99 MiB ┤")]
     assert len(budget_rows) == 1 and "╌" in budget_rows[0]
     assert "█" in text and "░" in text  # with the plan, and the memory it saved
     assert re.search(r"made +L\d+", text) and re.search(r"start +L\d+", text) and re.search(r"read +L\d+", text)
@@ -192,7 +192,7 @@ def test_analyze_terminal_chart_without_colour_codes(runner, monkeypatch):
     monkeypatch.delenv("TTY_COMPATIBLE", raising=False)
     result = invoke(runner, "analyze", SAMPLES / "mlp.meta")  # no --no-color: a pipe gets none anyway
     assert result.exit_code == 0 and "\x1b[" not in result.stdout
-    assert "Memory over one training step" in result.stdout and "no swapping (peak 5.36 MiB)" in result.stdout
+    assert "Memory over one training step" in result.stdout and "no swapping (peak 3.74 MiB)" in result.stdout
     assert "Largest tensors live at the peak" in result.stdout
     monkeypatch.setenv("FORCE_COLOR", "1")  # as if on a terminal: colours and bold ...
     forced = invoke(runner, "analyze", SAMPLES / "mlp.meta")
@@ -261,11 +261,11 @@ def test_png_plot_is_valid_and_the_readme_plot_is_real(terminal, out):
 def test_svg_plot_labels(rewritten, analyzed, out):
     svg = (out / "rewrite.svg").read_text(encoding="utf-8")
     assert svg.lstrip().startswith("<?xml") and "</svg>" in svg
-    for label in ("budget 10.62 MiB", "with lms (peak", "without lms (peak", "host memory", "swap-out", "swap-in",
-                  "cnn on 10.62 MiB GPU: budget 10.62 MiB"):
+    for label in ("budget 8.41 MiB", "with lms (peak", "without lms (peak", "host memory", "swap-out", "swap-in",
+                  "cnn on 8.41 MiB GPU: budget 8.41 MiB"):
         assert label in svg, label
     plain = (out / "analysis.svg").read_text(encoding="utf-8")
-    assert "no swapping (peak 5.36 MiB)" in plain and "mlp: simulated GPU memory" in plain
+    assert "no swapping (peak 3.74 MiB)" in plain and "mlp: simulated GPU memory" in plain
     assert "with lms" not in plain
 
 
@@ -315,7 +315,7 @@ def check_self_contained(page: str) -> None:
 def test_html_reports_are_self_contained_and_complete(analyzed, tuned, rewritten, out):
     analysis = (out / "analysis.html").read_text(encoding="utf-8")
     check_self_contained(analysis)
-    assert "<svg" in analysis and "Largest tensors live at the peak" in analysis and "5.36 MiB" in analysis
+    assert "<svg" in analysis and "Largest tensors live at the peak" in analysis and "3.74 MiB" in analysis
     doc = json.loads(tuned.stdout)
     for name in ("tune.html", "rewrite.html"):
         page = (out / name).read_text(encoding="utf-8")
@@ -372,7 +372,7 @@ def test_html_report_renders_in_headless_chromium(terminal, out, tmp_path):
     dom = subprocess.run(base + [f"--user-data-dir={tmp_path / 'profile-2'}", "--dump-dom", page.as_uri()],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120, check=True).stdout
     for text in ("lms plan: unet3d", "Device and budget", "Memory before and after", "Predicted overhead per link",
-                 "Swapped tensors (29", "down1/conv_a/Relu:0", "nvlink2", "pcie3", "<svg"):
+                 "Swapped tensors (5", "down1/conv_a/Relu:0", "nvlink2", "pcie3", "<svg"):
         assert text in dom, text
 
 
