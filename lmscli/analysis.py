@@ -8,6 +8,7 @@ inferred, batch size applied, execution schedule built); ``analyze()`` derives a
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import asdict, dataclass, replace
 
 from lmscli.candidates import Filters, candidates
@@ -33,6 +34,20 @@ class Prepared:
     fused: frozenset = frozenset()  # nodes Grappler's default optimizations remove (never swapped)
     schedules: tuple = ()  # one Schedule per GPU the step uses; ``schedule`` is the one needing most
     optimized: object = None  # the GraphDef Grappler's default optimizations make (None: refused)
+    scratch: object = None  # node name -> kernel scratch bytes counted in the schedules (the CPU stand-in's)
+
+    @functools.cached_property
+    def run_peak_bytes(self) -> int | None:
+        """The executor model's peak of the graph a Session runs for this step (Grappler's
+        optimizations applied; see :func:`run_peak`); None if unknown."""
+        return run_peak(self.model, with_graph_def(self.model.meta_graph, self.graph_def), self.optimized,
+                        self.scratch)
+
+    def with_scratch(self, scratch: dict) -> "Prepared":
+        """The same step with each op's kernel scratch (node name -> bytes) counted while it runs."""
+        schedules = tuple(s.with_scratch(scratch) for s in self.schedules)
+        chosen = next((s for s in schedules if s.device == self.schedule.device), self.schedule.with_scratch(scratch))
+        return replace(self, schedule=chosen, schedules=schedules, scratch=dict(scratch))
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -47,14 +62,16 @@ class Prepared:
 
 
 def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grappler",
-            flops: float = 15.7e12, mem_bandwidth: float = 900e9, judge: str = "executor") -> Prepared:
+            flops: float = 15.7e12, mem_bandwidth: float = 900e9, judge: str = "executor",
+            optimize: bool = True) -> Prepared:
     """Infer shapes (applying ``batch_size`` to unknown placeholder batch dims) and build the schedule.
 
     ``cost_model="grappler"`` orders and times ops by Grappler's virtual scheduler on a virtual
     GPU (TensorFlow's own analytical model); ``"roofline"`` uses our FLOP/byte model. If Grappler
     cannot schedule the graph, the roofline model is used and a note says so. ``judge`` is the
     memory model the schedule is counted by (:mod:`lmscli.memmodel`): ``executor`` (what a real
-    run allocates) or ``grappler`` (TensorFlow's static estimate).
+    run allocates) or ``grappler`` (TensorFlow's static estimate). ``optimize=False`` skips
+    computing what Grappler's default optimizations make of the graph (the optimizer guard needs it).
     """
     from lmscli import shapes
 
@@ -90,9 +107,29 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
     schedule = schedules[0]
     if len(schedules) > 1:  # the GPU that needs the most memory speaks for the graph
         schedule = max(schedules, key=lambda s: simulate(s, detail=False).peak_bytes)
-    optimized = grappler.optimize(meta, model.fetches)
+    optimized = grappler.optimize(meta, model.fetches) if optimize else None
     fused = grappler.fused_away(meta.graph_def, optimized)
     return Prepared(model, graph_def, view, schedule, batch_size, tuple(changed), fused, schedules, optimized)
+
+
+def run_peak(model: Model, meta_graph, optimized, scratch: dict | None = None) -> int | None:
+    """The executor model's peak of the graph a Session really runs: ``optimized``, what
+    Grappler's default optimizations make of ``meta_graph`` (fusions, folded constants and the
+    order they allow change the step's memory: on an attention model it fell by a third). The
+    largest over the step's GPUs, resident bytes included; None when it cannot be scheduled."""
+    from lmscli.errors import LmsError
+
+    if optimized is None:
+        return None
+    graph = Model(model.path, model.format, with_graph_def(meta_graph, optimized), tuple(model.fetches),
+                  model.fetch_source, [])
+    try:
+        seen = prepare(graph, optimize=False)
+    except LmsError:
+        return None
+    if scratch:
+        seen = seen.with_scratch(scratch)
+    return max(simulate(s, detail=False).peak_bytes for s in seen.schedules or (seen.schedule,))
 
 
 def with_graph_def(meta_graph, graph_def):

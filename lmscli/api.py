@@ -71,14 +71,16 @@ def check_with_grappler(prepared: Prepared, plan: Plan, host_device: str = DEFAU
     return figures
 
 
-def optimizer_culprits(prepared: Prepared, plan: Plan, rewritten) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def optimizer_culprits(prepared: Prepared, plan: Plan, rewritten, optimized=None) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The swapped tensors and serialized ops of ``plan`` that make Grappler's default
-    optimizations treat ``rewritten`` differently from the original (see :mod:`lmscli.optguard`)."""
+    optimizations treat ``rewritten`` differently from the original (see :mod:`lmscli.optguard`).
+    ``optimized``: what those optimizations make of ``rewritten``, if already known."""
     from lmscli import grappler, optguard
 
     if prepared.optimized is None or not (plan.swaps or plan.serialize):
         return (), ()
-    optimized = grappler.optimize(rewritten, prepared.model.fetches)
+    if optimized is None:
+        optimized = grappler.optimize(rewritten, prepared.model.fetches)
     if optimized is None:
         return (), ()
     names = optguard.involved(prepared.optimized, optimized)
@@ -89,6 +91,23 @@ def optimizer_culprits(prepared: Prepared, plan: Plan, rewritten) -> tuple[tuple
         if found[0] or found[1]:
             return found
     return (), ()
+
+
+def run_peak(prepared: Prepared, rewritten, optimized) -> int | None:
+    """See :func:`lmscli.analysis.run_peak` (with the prepared step's kernel scratch, if counted)."""
+    from lmscli.analysis import run_peak as peak_of
+
+    return peak_of(prepared.model, rewritten, optimized, prepared.scratch)
+
+
+def with_cpu_scratch(prepared: Prepared) -> Prepared:
+    """Count the kernel scratch of this machine's CPU kernels, measured in one traced step (see
+    :mod:`lmscli.prove.scratch`): what the stand-in GPU of ``lms verify --gpu-mem`` allocates
+    besides the tensors. For plans meant to be proven on the stand-in."""
+    from lmscli.prove.scratch import measure_scratch
+
+    meta = with_graph_def(prepared.model.meta_graph, prepared.graph_def)
+    return prepared.with_scratch(measure_scratch(meta, prepared.model.fetches, prepared.batch_size or 1))
 
 
 def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(), check: bool = True,
@@ -168,7 +187,10 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
 
     margins: dict[str, int] = {}
     forbidden: set[str] = set()
-    result = plan_tune(prepared, device, options)
+    start = _run_margin(prepared, device, options)
+    if start:
+        margins[prepared.schedule.device] = start
+    result = plan_tune(prepared, device, options, margin=dict(margins))
     if not (check or guard):
         return result
     manual = options.strategy == "tflms" and options.tflms is not None
@@ -181,18 +203,53 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
                 f"optimizations do to the graph, and with it the last bits of the results ({guard_rounds} round(s))")
         return replace(result, log=result.log + (line,))
 
+    executor = prepared.schedule.memory_model == "executor"
+    search = _RunSearch(device.budget, margins.get(prepared.schedule.device, 0), forbidden)
     while True:
         meta, _ = rewrite(prepared, result.plan, host_device=host_device, force=True)
-        tensors, _ops = optimizer_culprits(prepared, result.plan, meta) if guard else ((), ())
+        optimized = None
+        if guard or (executor and result.plan.swaps):
+            from lmscli import grappler
+
+            optimized = grappler.optimize(meta, prepared.model.fetches)
+        tensors, _ops = optimizer_culprits(prepared, result.plan, meta, optimized) if guard else ((), ())
         if tensors:
             forbidden.update(tensors)
             guard_rounds += 1
             if guard_rounds <= GUARD_ROUNDS:  # plan again without them ...
                 options = replace(options, forbidden=frozenset(forbidden))
-                result = plan_tune(prepared, device, options, margin=dict(margins))
+                try:
+                    result = plan_tune(prepared, device, options, margin=dict(margins))
+                except NoFitError:
+                    if not search.found:
+                        raise
+                    result = search.best()  # judged and guarded already: settle for it
+                    search.done = True
             else:  # ... or, after that many rounds, just drop them from the plan
                 result = replace(result, plan=optguard.without(result.plan, tensors, ()))
             continue
+        if executor and not manual and len(prepared.schedules) <= 1:
+            # The judge: the executor model on the graph the Session runs (Grappler-optimized).
+            peak = run_peak(prepared, meta, optimized) if result.plan.swaps else prepared.run_peak_bytes
+            if peak is not None and not result.plan.swaps and peak <= device.budget:
+                line = ("[LMS] [Simulator] LMS is not necessary: the graph TensorFlow runs after its optimizations "
+                        f"needs {peak:,} bytes <= {device.budget:,}")
+                result = replace(result, necessary=False, log=result.log + (line,),
+                                 plan=replace(result.plan, predicted=dict(result.plan.predicted, run_peak_bytes=peak)))
+            elif peak is not None:
+                result = replace(result, plan=replace(result.plan, predicted=dict(result.plan.predicted,
+                                                                                   run_peak_bytes=peak)))
+                step = search.judged(result, peak)
+                if step is not None:
+                    margins[prepared.schedule.device] = step
+                    try:
+                        result = plan_tune(prepared, device, options, margin=dict(margins))
+                        continue
+                    except NoFitError:
+                        if not search.found:
+                            raise
+                result = search.best()
+                search.done = True
         if not check:
             return noted(replace(result, plan=replace(result.plan, grappler={"left_alone": sorted(forbidden)}
                                                       if forbidden else {})))
@@ -214,6 +271,68 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
     raise NoFitError(f"the simulator found plans, but Grappler's estimate stayed over the budget after "
                      f"{GRAPPLER_ROUNDS} rounds (last {figures['peak_bytes']:,} bytes > {device.budget:,}); "
                      "try a slightly larger --gpu-mem", budget_bytes=device.budget)
+
+
+def _run_margin(prepared: Prepared, device: Device, options: TuneOptions) -> int:
+    """The planning margin to start from under the executor judge: when Grappler's optimizations
+    shrink the step (the optimized graph's peak below the peak as written), plan for the budget
+    scaled up by that ratio, so that the graph the Session runs lands near the budget."""
+    if (prepared.schedule.memory_model != "executor" or len(prepared.schedules) > 1
+            or (options.strategy == "tflms" and options.tflms is not None)):
+        return 0
+    from lmscli.simulator import simulate
+
+    written = simulate(prepared.schedule, detail=False).peak_bytes
+    runs = prepared.run_peak_bytes
+    if runs is None or written <= 0 or runs >= written:
+        return 0
+    return device.budget - int(device.budget * written / runs)
+
+
+class _RunSearch:
+    """The planning budget that makes the optimized graph's peak meet the real budget.
+
+    The planner works on the graph as written; the Session runs what Grappler's optimizations make
+    of it, which may need less (folded and fused subgraphs) or more. Each round the planning
+    margin moves by the difference between the judged peak and the budget; the fitting plan that
+    swaps the fewest bytes is kept, and the search stops once a fitting plan is within 2% of the
+    budget or after :data:`RUN_ROUNDS` rounds."""
+
+    def __init__(self, budget: int, margin: int, forbidden: set):
+        self.budget, self.margin, self.forbidden = budget, margin, forbidden
+        self.rounds = 0
+        self.found: list = []
+        self.last = None
+        self.done = False  # settled on the best plan found
+
+    def judged(self, result, peak: int) -> int | None:
+        """Record a judged plan; the next margin to plan with, or None to stop."""
+        if self.done:
+            return None
+        self.rounds += 1
+        self.last = result
+        if peak <= self.budget:
+            self.found.append(result)
+            if peak >= 0.97 * self.budget:
+                return None
+        if self.rounds >= RUN_ROUNDS:
+            return None
+        step = peak - self.budget
+        if step > 0:
+            step = max(step, self.budget // 200)
+        self.margin += step
+        return self.margin
+
+    def best(self):
+        if not self.found:
+            peak = self.last.plan.predicted.get("run_peak_bytes")
+            raise NoFitError(f"planned for the graph as written, but the graph TensorFlow runs after its optimizations "
+                             f"still needs {peak:,} bytes > {self.budget:,} after {self.rounds} round(s); try a "
+                             "slightly larger --gpu-mem", budget_bytes=self.budget)
+        return min(self.found, key=lambda r: (r.plan.swap_out_bytes, r.plan.predicted["run_peak_bytes"]))
+
+
+RUN_ROUNDS = 5
 
 
 def find_max_batch(model: Model, device: Device, options: TuneOptions = TuneOptions(), limit: int = 1 << 16,

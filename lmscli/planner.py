@@ -71,6 +71,9 @@ class TuneResult:
     def fits(self) -> bool:
         if self.judge == "grappler":
             return bool(self.plan.grappler.get("fits"))
+        run = self.plan.predicted.get("run_peak_bytes")
+        if run is not None and not self.per_device:
+            return run <= self.budget
         if self.per_device:
             return all(r.fits for _, r in self.per_device)
         return self.result.peak_bytes <= self.budget
@@ -579,7 +582,7 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
     else:
         bound = binding(prepared, set(ctx.cands), baseline)
         lb = bound.bytes
-        if lb > budget:
+        if lb > max(budget, budget - margin):  # a negative margin plans for more than the budget
             op = sched.names[bound.position] if bound.position is not None else None
             raise NoFitError(_no_fit_message(ctx, bound, budget), bound_bytes=lb, binding_op=op, budget_bytes=budget)
         if options.strategy == "tflms":

@@ -164,11 +164,17 @@ def render_tune(console: Console, result, details: dict | None = None) -> None:
     verdict = "[green]fits[/]" if result.fits else "[red]does not fit[/]"
     if result.judge == "grappler":
         verdict = "over, in the original op order; the plan's control edges reorder the step: see Grappler's estimate"
-    t.add_row("predicted peak with plan", f"[bold]{format_size(pred['peak_bytes'])}[/] ({verdict})")
+    run = pred.get("run_peak_bytes")
+    if run is not None:  # the executor judge: the graph the Session runs, after Grappler's optimizations
+        t.add_row("predicted peak with plan", f"[bold]{format_size(run)}[/] ({verdict}; the graph TensorFlow runs, "
+                  f"optimized; {format_size(pred['peak_bytes'])} as written)")
+    else:
+        t.add_row("predicted peak with plan", f"[bold]{format_size(pred['peak_bytes'])}[/] ({verdict})")
     if plan.grappler.get("peak_bytes") is not None:
         g = plan.grappler
         ok = "[green]fits[/]" if g.get("fits") else "[red]does not fit[/]"
-        t.add_row("Grappler's estimate", f"{format_size(g['peak_bytes'])} ({ok}; {g.get('rounds', 1)} round(s))")
+        second = "; a second opinion" if run is not None else ""
+        t.add_row("Grappler's estimate", f"{format_size(g['peak_bytes'])} ({ok}; {g.get('rounds', 1)} round(s){second})")
     if plan.grappler.get("left_alone"):
         t.add_row("left unswapped", f"{len(plan.grappler['left_alone'])} tensor(s) where a swap node would change what "
                   "Grappler's optimizations do (bit-identity)")

@@ -1,0 +1,75 @@
+"""Kernel scratch of each op on the CPU stand-in, measured with the stand-in's own allocator.
+
+CPU kernels take temporaries from the device's allocator while they run (the col buffers of
+convolution gradients, up to tens of MiB at small shapes); a GPU's kernels use cuDNN workspaces
+instead, which ``--reserve`` covers. With TensorFlow's BFC allocator (the stand-in's, and a
+GPU's), a traced step records each op's own peak allocation and what it left allocated, so
+``peak - live`` is what the op held only while it ran. The allocator is chosen when a process
+starts, so the measurement runs in a child process (``python -m lmscli.prove.scratch``):
+one TensorFlow import and one traced step, seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from lmscli.errors import LmsError
+
+
+def measure_scratch(meta_graph, fetches, batch_size: int = 1, timeout_s: float = 300.0) -> dict[str, int]:
+    """``{node name: scratch bytes}`` for the ops of one training step that hold any."""
+    with tempfile.TemporaryDirectory(prefix="lms-scratch-") as tmp:
+        graph = os.path.join(tmp, "graph.meta")
+        out = os.path.join(tmp, "scratch.json")
+        with open(graph, "wb") as fh:
+            fh.write(meta_graph.SerializeToString())
+        env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="3")
+        cmd = [sys.executable, "-m", "lmscli.prove.scratch", graph, out, str(batch_size)] + list(fetches)
+        try:
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise LmsError(f"measuring kernel scratch took more than {timeout_s:.0f} s") from None
+        if done.returncode != 0 or not os.path.exists(out):
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise LmsError(f"measuring kernel scratch failed: {last}")
+        with open(out, encoding="utf-8") as fh:
+            return {k: int(v) for k, v in json.load(fh).items()}
+
+
+def _main(argv) -> int:
+    graph, out, batch = argv[0], argv[1], int(argv[2])
+    fetches = argv[3:]
+    from lmscli import verify
+    from lmscli.tfimport import tensorflow
+
+    tf = tensorflow()
+    meta = type(tf.compat.v1.MetaGraphDef())()
+    with open(graph, "rb") as fh:
+        meta.ParseFromString(fh.read())
+    placed = verify.place_on_cpu(meta).meta_graph
+    g = verify.import_graph(placed, fetches)
+    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+    with tf.compat.v1.Session(graph=g.graph, config=verify.session_config(True)) as sess:
+        sess.run(g.init)
+        feed = verify.feeds(g.placeholders, batch, 0)
+        sess.run(g.targets, feed_dict=feed)  # first-run allocations aside
+        step = tf.compat.v1.RunMetadata()
+        sess.run(g.targets, feed_dict=feed, options=options, run_metadata=step)
+    scratch: dict[str, int] = {}
+    for dev in step.step_stats.dev_stats:
+        for node in dev.node_stats:
+            for mem in node.memory:
+                held = mem.peak_bytes - mem.live_bytes
+                if held > 0:
+                    scratch[node.node_name] = max(scratch.get(node.node_name, 0), int(held))
+    with open(out, "w", encoding="utf-8") as fh:
+        json.dump(scratch, fh, sort_keys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
