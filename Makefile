@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: install test demo samples lint bench bench-quick clean
+.PHONY: install test demo samples lint bench bench-quick bench-real clean
 
 install: $(STAMP)
 
@@ -36,6 +36,9 @@ bench: install
 
 bench-quick: install
 	$(BIN)/python bench/run.py --quick
+
+bench-real: install
+	$(BIN)/python bench/realmem.py
 
 clean:
 	rm -rf $(VENV) out build *.egg-info .pytest_cache

@@ -35,19 +35,33 @@ class Prepared:
     schedules: tuple = ()  # one Schedule per GPU the step uses; ``schedule`` is the one needing most
     optimized: object = None  # the GraphDef Grappler's default optimizations make (None: refused)
     scratch: object = None  # node name -> kernel scratch bytes counted in the schedules (the CPU stand-in's)
+    trace: object = None  # Grappler's trace the schedules were built from (None: roofline model)
+    observed_order: tuple = ()  # an execution order observed in a real run, followed by the schedules
 
     @functools.cached_property
     def run_peak_bytes(self) -> int | None:
         """The executor model's peak of the graph a Session runs for this step (Grappler's
         optimizations applied; see :func:`run_peak`); None if unknown."""
         return run_peak(self.model, with_graph_def(self.model.meta_graph, self.graph_def), self.optimized,
-                        self.scratch)
+                        self.scratch, self.observed_order)
 
     def with_scratch(self, scratch: dict) -> "Prepared":
         """The same step with each op's kernel scratch (node name -> bytes) counted while it runs."""
         schedules = tuple(s.with_scratch(scratch) for s in self.schedules)
         chosen = next((s for s in schedules if s.device == self.schedule.device), self.schedule.with_scratch(scratch))
         return replace(self, schedule=chosen, schedules=schedules, scratch=dict(scratch))
+
+    def observed(self, order, scratch: dict | None = None) -> "Prepared":
+        """The same step in an execution order observed in a real run (op names; ops the run did not
+        show run as soon as they are ready), with kernel scratch if given."""
+        trace = self.trace.observed(order) if self.trace is not None else None
+        if trace is None:
+            return self.with_scratch(scratch) if scratch else self
+        schedules = build_schedules(self.view, self.model.fetches, trace=trace,
+                                    memory_model=self.schedule.memory_model)
+        chosen = next((s for s in schedules if s.device == self.schedule.device), schedules[0])
+        seen = replace(self, schedule=chosen, schedules=schedules, observed_order=tuple(order))
+        return seen.with_scratch(scratch) if scratch else seen
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -109,10 +123,11 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
         schedule = max(schedules, key=lambda s: simulate(s, detail=False).peak_bytes)
     optimized = grappler.optimize(meta, model.fetches) if optimize else None
     fused = grappler.fused_away(meta.graph_def, optimized)
-    return Prepared(model, graph_def, view, schedule, batch_size, tuple(changed), fused, schedules, optimized)
+    return Prepared(model, graph_def, view, schedule, batch_size, tuple(changed), fused, schedules, optimized,
+                    trace=trace)
 
 
-def run_peak(model: Model, meta_graph, optimized, scratch: dict | None = None) -> int | None:
+def run_peak(model: Model, meta_graph, optimized, scratch: dict | None = None, order=()) -> int | None:
     """The executor model's peak of the graph a Session really runs: ``optimized``, what
     Grappler's default optimizations make of ``meta_graph`` (fusions, folded constants and the
     order they allow change the step's memory: on an attention model it fell by a third). The
@@ -127,6 +142,8 @@ def run_peak(model: Model, meta_graph, optimized, scratch: dict | None = None) -
         seen = prepare(graph, optimize=False)
     except LmsError:
         return None
+    if order:
+        seen = seen.observed(order)
     if scratch:
         seen = seen.with_scratch(scratch)
     return max(simulate(s, detail=False).peak_bytes for s in seen.schedules or (seen.schedule,))

@@ -100,14 +100,15 @@ def run_peak(prepared: Prepared, rewritten, optimized) -> int | None:
     return peak_of(prepared.model, rewritten, optimized, prepared.scratch)
 
 
-def with_cpu_scratch(prepared: Prepared) -> Prepared:
-    """Count the kernel scratch of this machine's CPU kernels, measured in one traced step (see
-    :mod:`lmscli.prove.scratch`): what the stand-in GPU of ``lms verify --gpu-mem`` allocates
-    besides the tensors. For plans meant to be proven on the stand-in."""
-    from lmscli.prove.scratch import measure_scratch
+def for_stand_in(prepared: Prepared) -> Prepared:
+    """The step as the CPU stand-in GPU of ``lms verify --gpu-mem`` runs it: the kernel scratch of
+    this machine's CPU kernels and the CPU executor's order, both observed in one traced step (see
+    :mod:`lmscli.prove.scratch`). For plans meant to be proven on the stand-in."""
+    from lmscli.prove.scratch import observe
 
     meta = with_graph_def(prepared.model.meta_graph, prepared.graph_def)
-    return prepared.with_scratch(measure_scratch(meta, prepared.model.fetches, prepared.batch_size or 1))
+    seen = observe(meta, prepared.model.fetches, prepared.batch_size or 1)
+    return prepared.observed(seen.order, seen.scratch)
 
 
 def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(), check: bool = True,

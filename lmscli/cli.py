@@ -167,9 +167,10 @@ def plan_options(func):
     @click.option("--judge", type=click.Choice(["executor", "grappler"]), default="executor", show_default=True,
                   help="What decides that a plan fits: the simulator of TensorFlow's executor (what a run really "
                        "allocates), or Grappler's static estimate (conservative; today's TFLMS-like behaviour).")
-    @click.option("--cpu-scratch", is_flag=True,
-                  help="Also count the scratch buffers this machine's CPU kernels take (measured in one traced step): "
-                       "plan for the stand-in GPU of `lms verify --gpu-mem`, not for a real GPU.")
+    @click.option("--stand-in", "stand_in", is_flag=True,
+                  help="Plan for the CPU stand-in GPU of `lms verify --gpu-mem`, not for a real GPU: count the scratch "
+                       "buffers this machine's CPU kernels take and follow the CPU executor's op order, both observed "
+                       "in one traced step.")
     @click.option("--no-grappler-check", is_flag=True, help="Skip Grappler's estimate of the plan (its second opinion).")
     @wraps(func)
     def wrapper(*args, **kwargs):
@@ -322,7 +323,7 @@ def analyze(model, fmt, fetch, tag, batch_size, plot, report_file, as_json, verb
 @report_option
 @output_options
 def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, host_mem, link, find_max_batch,
-         plan_out, plot, report_file, as_json, verbose, quiet, no_color, no_grappler_check, judge, cpu_scratch,
+         plan_out, plot, report_file, as_json, verbose, quiet, no_color, no_grappler_check, judge, stand_in,
          **plan_kwargs):
     """Plan the least swapping that fits a GPU, and predict its cost."""
     from lmscli import api, report
@@ -341,8 +342,8 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
     else:
         with progress.phase("inferring shapes and scheduling the step"):
             prepared = api.prepare(loaded, batch_size=batch_size, judge=judge)
-            if cpu_scratch:
-                prepared = api.with_cpu_scratch(prepared)
+            if stand_in:
+                prepared = api.for_stand_in(prepared)
             device = _device(prepared, gpu_mem, device_preset, reserve, host_mem, link)
         with progress.phase("tuning" + ("" if no_grappler_check else ", then checking the plan with Grappler")), \
                 _no_fit_json("lms.tune", as_json):
@@ -392,7 +393,7 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
 @output_options
 def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, host_mem, link, plan_file,
             serialize_levels, serialize_by_size, host_device, force, dry_run, plan_out, plot, report_file,
-            tensorboard_logdir, as_json, verbose, quiet, no_color, no_grappler_check, judge, cpu_scratch,
+            tensorboard_logdir, as_json, verbose, quiet, no_color, no_grappler_check, judge, stand_in,
             **plan_kwargs):
     """Write MODEL with swap-out and swap-in operations to OUTPUT (same format)."""
     from dataclasses import replace
@@ -414,8 +415,8 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
                          "pass --force to rewrite it again")
     with progress.phase("inferring shapes and scheduling the step"):
         prepared = api.prepare(loaded, batch_size=batch_size, judge=judge)
-        if cpu_scratch:
-            prepared = api.with_cpu_scratch(prepared)
+        if stand_in:
+            prepared = api.for_stand_in(prepared)
     options = _tune_options(**plan_kwargs)
     if plan_file:
         try:
@@ -478,9 +479,10 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
         report.render_rewrite(console, rep, output, dry_run, event_file)
 
 
-from lmscli.verify_cli import verify  # noqa: E402  (imports no TensorFlow)
+from lmscli.verify_cli import measure, verify  # noqa: E402  (imports no TensorFlow)
 
 cli.add_command(verify)
+cli.add_command(measure)
 
 
 def main(argv=None):

@@ -9,6 +9,7 @@ The library raises these; only the CLI turns them into exit codes.
 | 2    | usage error (Click's own)                            |
 | 3    | no plan fits the budget (:class:`NoFitError`)        |
 | 4    | ``lms verify``: the graphs compute different results |
+| 5    | ``lms verify --gpu-mem``: the rewritten graph ran out of memory on the stand-in GPU at that limit |
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_NO_FIT = 3
 EXIT_DIFFERENT = 4
+EXIT_OUT_OF_MEMORY = 5
 
 
 class LmsError(Exception):

@@ -103,6 +103,12 @@ class Trace:
     order: tuple[str, ...]
     micros: dict
     on_host: frozenset = frozenset()  # ops Grappler's placer put on the CPU (no GPU kernel)
+    unmatched_first: bool = False  # ops missing from ``order`` run as soon as they are ready (an
+    # order observed on the optimized graph lacks the nodes Grappler removed: cheap forwarding ops)
+
+    def observed(self, order) -> "Trace":
+        """The same op times in an execution order observed in a real run."""
+        return Trace(tuple(order), self.micros, self.on_host, True)
 
 
 def _step_stats(meta_graph, fetches, gpu_mem: int = 1 << 50):

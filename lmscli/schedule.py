@@ -161,6 +161,8 @@ def build_schedules(view: GraphView, fetches, flops: float = 15.7e12, mem_bandwi
     rank = None
     if trace is not None:
         rank = {view.index[name]: r for r, name in enumerate(trace.order) if name in view.index}
+        if trace.unmatched_first:
+            rank = {i: rank.get(i, -1) for i in active}
     order = first_ready_order(view, active, cost, rank)
     devices = sorted({g for g in gpu_of.values() if g is not None}) or [DEFAULT_GPU]
     return tuple(_describe(view, order, cost, [gpu_of[i] == device for i in order], device).with_memory_model(memory_model)

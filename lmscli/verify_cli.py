@@ -1,8 +1,11 @@
-"""``lms verify ORIGINAL REWRITTEN``: prove a rewrite on CPU (identical results, measured memory).
+"""``lms verify ORIGINAL REWRITTEN`` and ``lms measure GRAPH...``: proofs by running the graphs.
 
-Registered on the ``lms`` group with ``cli.add_command(verify)``. Exit codes: 0 identical, 1 a graph
-that fails to run (:class:`~lmscli.errors.LmsError`), 4 different results
-(:class:`~lmscli.verify.DifferentResults`).
+``verify`` proves a rewrite on CPU (identical results, measured memory); with ``--gpu-mem SIZE``
+both graphs run on the stand-in GPU under that hard limit (:mod:`lmscli.prove.realmem`).
+``measure`` finds the smallest limit under which one step really runs. Registered on the ``lms``
+group with ``cli.add_command``. Exit codes: 0 proven, 1 a graph that fails to run
+(:class:`~lmscli.errors.LmsError`), 4 different results (:class:`~lmscli.verify.DifferentResults`),
+5 the rewritten graph ran out of memory at ``--gpu-mem``.
 """
 
 from __future__ import annotations
@@ -60,6 +63,46 @@ def _render(console, result) -> None:
         console.print(f"[dim]note: {note}[/]")
 
 
+def _render_limit(console, proof, predictions) -> None:
+    from rich.table import Table
+
+    from lmscli.units import format_size
+
+    table = Table(title=f"One training step on the stand-in GPU at {format_size(proof.limit_bytes)}",
+                  title_justify="left")
+    for column in ("", "original", "rewritten"):
+        table.add_column(column, justify="left" if not column else "right")
+
+    def verdict(v):
+        text = "trains" if v.fits else "[red]out of memory[/]"
+        return text + (f" ({v.failures}/{v.runs} runs OOM)" if v.varies else f" ({v.runs} runs)")
+
+    table.add_row("result", verdict(proof.original), verdict(proof.rewritten))
+    a, b = predictions
+    table.add_row("predicted (GPU)", format_size(a.predicted_bytes), format_size(b.predicted_bytes))
+    table.add_row("predicted on the stand-in", format_size(a.predicted_standin_bytes),
+                  format_size(b.predicted_standin_bytes))
+    table.add_row("Grappler's estimate", format_size(a.grappler_bytes) if a.grappler_bytes else "-",
+                  format_size(b.grappler_bytes) if b.grappler_bytes else "-")
+    console.print(table)
+    style = "bold green" if proof.proven and not proof.original.fits else ("bold red" if not proof.proven else "bold")
+    console.print(f"[{style}]{proof.line()}[/]")
+    for note in proof.notes:
+        console.print(f"[dim]note: {note}[/]")
+
+
+def _limit(text: str, original) -> int:
+    """``--gpu-mem``: a size, or N% of the original's predicted need."""
+    from lmscli.device import gpu_mem_from_text
+
+    peak = None
+    if text.strip().endswith("%"):
+        from lmscli.prove.realmem import predict
+
+        peak = predict(original)[0].predicted_bytes
+    return gpu_mem_from_text(text, peak)
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("original", type=click.Path())
 @click.argument("rewritten", type=click.Path())
@@ -73,13 +116,26 @@ def _render(console, result) -> None:
 @click.option("--tf-order", is_flag=True,
               help="Measure in the order TensorFlow's executor picks (changes per session; host copies lag) "
                    "instead of the simulator's schedule.")
+@click.option("--gpu-mem", metavar="SIZE",
+              help="Prove it under a hard memory limit: both graphs train on a stand-in GPU (a TensorFlow server "
+                   "process whose allocator is limited to SIZE, swaps going to a second process); e.g. 12MiB, "
+                   "or N%% of the original's predicted need.")
+@click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True,
+              help="With --gpu-mem: runs per graph (the executor's order varies between runs).")
+@click.option("--no-tf-optimize", is_flag=True,
+              help="With --gpu-mem: turn TensorFlow's graph optimizations (Grappler) off on the stand-in.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 @click.option("--no-color", is_flag=True, help="Plain output without colours.")
-def verify(original, rewritten, steps, batch_size, fetch, loss, no_measure, tf_order, as_json, no_color):
+def verify(original, rewritten, steps, batch_size, fetch, loss, no_measure, tf_order, gpu_mem, runs, no_tf_optimize,
+           as_json, no_color):
     """Prove on CPU that REWRITTEN trains bit-identically to ORIGINAL, and measure both peaks.
 
     Both graphs run on two logical CPUs (the model on /device:CPU:1 standing in for the GPU, swap
     nodes on /device:CPU:0) with the same seeds and feeds. Exit code 4 when results differ.
+
+    With --gpu-mem SIZE the proof is a real run under a hard limit: "original: out of memory at
+    SIZE; rewritten: trains at SIZE, bit-identical". Exit code 5 when the rewritten graph runs out
+    of memory there.
     """
     from lmscli import api
     from lmscli import verify as verifier
@@ -87,6 +143,10 @@ def verify(original, rewritten, steps, batch_size, fetch, loss, no_measure, tf_o
     fetches = fetch.split(",") if fetch else None
     model_a = api.load(original, fetch=fetches)
     model_b = api.load(rewritten, fetch=list(model_a.fetches))
+    if gpu_mem is not None:
+        _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, not no_tf_optimize, as_json,
+                         no_color)
+        return
     result = verifier.verify(model_a, model_b, steps=steps, batch_size=batch_size, measure=not no_measure,
                              loss=loss, tf_order=tf_order)
     if as_json:
@@ -96,3 +156,85 @@ def verify(original, rewritten, steps, batch_size, fetch, loss, no_measure, tf_o
     if not result.identical:
         raise verifier.DifferentResults(f"{rewritten} computes different results from {original}: "
                                         f"{result.difference.message}")
+
+
+def _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, optimize, as_json, no_color) -> None:
+    from lmscli import verify as verifier
+    from lmscli.prove import realmem
+
+    limit = _limit(gpu_mem, model_a)
+    prediction_a, observation = realmem.predict(model_a, batch_size)
+    prediction_b, _ = realmem.predict(model_b, batch_size, observation)
+    proof = realmem.prove_at_limit(model_a, model_b, limit, steps=steps, runs=runs, batch_size=batch_size,
+                                   loss=loss, optimize=optimize)
+    if as_json:
+        doc = {"schema": "lms.verify", "version": 1, "identical": proof.identical,
+               "first_difference": proof.difference, "first_different_variable": None, "steps": steps,
+               "batch_size": batch_size or 1, "loss": loss, "variables": None, "outputs": None,
+               "fetches": list(model_a.fetches), "notes": list(proof.notes), "limit": proof.to_dict(),
+               "original": {"predicted_bytes": prediction_a.predicted_bytes,
+                            "predicted_standin_bytes": prediction_a.predicted_standin_bytes,
+                            "grappler_peak_bytes": prediction_a.grappler_bytes},
+               "rewritten": {"predicted_bytes": prediction_b.predicted_bytes,
+                             "predicted_standin_bytes": prediction_b.predicted_standin_bytes,
+                             "grappler_peak_bytes": prediction_b.grappler_bytes}}
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        _render_limit(_console(no_color), proof, (prediction_a, prediction_b))
+    if not proof.rewritten.fits:
+        raise realmem.RewrittenOutOfMemory(f"{model_b.path} ran out of memory on the stand-in GPU at "
+                                           f"{proof.limit_bytes:,} bytes: {proof.rewritten.message}")
+    if proof.identical is False:
+        raise verifier.DifferentResults(f"{model_b.path} computes different results from {model_a.path} at the "
+                                        f"limit: {proof.difference}")
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("graphs", nargs=-1, required=True, type=click.Path())
+@click.option("--batch-size", type=click.IntRange(min=1), help="Set unknown batch dimensions to N.")
+@click.option("--fetch", "fetch", metavar="NAME[,NAME]",
+              help="Ops a training step runs (default: the first graph's train_op collection, else its sinks).")
+@click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Runs that must all fit at the limit found (the executor's order varies between runs).")
+@click.option("--no-tf-optimize", is_flag=True, help="Turn TensorFlow's graph optimizations (Grappler) off.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
+@click.option("--no-color", is_flag=True, help="Plain output without colours.")
+def measure(graphs, batch_size, fetch, runs, no_tf_optimize, as_json, no_color):
+    """How much memory one training step of each GRAPH really needs.
+
+    Finds, to 1 MiB, the smallest limit under which the step runs on the stand-in GPU (a TensorFlow
+    server process with a hard allocator limit), by bisection around the simulator's prediction,
+    and shows the prediction and Grappler's estimate beside it. Give an original and its rewrite
+    to compare them.
+    """
+    from lmscli import api
+    from lmscli.prove import realmem
+
+    fetches = fetch.split(",") if fetch else None
+    models = [api.load(graphs[0], fetch=fetches)]
+    models += [api.load(path, fetch=list(models[0].fetches)) for path in graphs[1:]]
+    needs = realmem.measure_need(models, batch_size=batch_size, runs=runs, optimize=not no_tf_optimize)
+    if as_json:
+        click.echo(json.dumps({"schema": "lms.measure", "version": 1, "runs": runs,
+                               "graphs": [n.to_dict() for n in needs]}, indent=2))
+        return
+    _render_needs(_console(no_color), needs)
+
+
+def _render_needs(console, needs) -> None:
+    from rich.table import Table
+
+    from lmscli.units import format_size
+
+    table = Table(title="Smallest limit under which one training step runs (stand-in GPU)", title_justify="left")
+    for column in ("graph", "measured", "predicted (GPU)", "predicted here", "vs measured", "Grappler"):
+        table.add_column(column, justify="left" if column == "graph" else "right")
+    for n in needs:
+        p = n.prediction
+        table.add_row(n.path, format_size(n.min_limit_bytes) + (" (varies)" if n.varies else ""),
+                      format_size(p.predicted_bytes), format_size(p.predicted_standin_bytes),
+                      f"{p.predicted_standin_bytes / n.min_limit_bytes - 1:+.1%}",
+                      format_size(p.grappler_bytes) if p.grappler_bytes else "-")
+    console.print(table)
+    console.print("[dim]predicted here = the stand-in's prediction: the CPU kernels' scratch buffers and the CPU "
+                  "executor's op order, observed once per graph in a traced step (a GPU has neither)[/]")

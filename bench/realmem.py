@@ -1,0 +1,186 @@
+"""Real memory: the smallest limit under which one training step really runs, on the stand-in GPU.
+
+For each graph, three graphs are measured by bisection on the stand-in (a TensorFlow server
+process whose BFC allocator, the one GPUs use, has a hard limit; swaps go to a second process):
+
+* the original;
+* lms's plan at the smallest budget lms accepts (searched upwards from the lower bound in steps of
+  5% of it), planned with ``--stand-in`` (the CPU kernels' scratch buffers and the CPU executor's
+  order, observed in one traced step);
+* the TFLMS-style plan (``--strategy tflms``) at the same budget.
+
+Beside each measured limit: what lms predicts for it (the executor model of the graph TensorFlow
+runs, with the CPU scratch) and Grappler's static estimate (plus variables). The lower bound is
+that of the executor model with scratch. Writes bench/REAL-MEMORY.md and bench/out/realmem.json.
+
+    python bench/realmem.py            # the four graphs below (about 30 minutes on 2 cores)
+    python bench/realmem.py --quick    # smaller shapes (a few minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+from common import BENCH, OUT, generated, load, sup
+
+GRAPHS = {
+    "full": [
+        ("ResNet-50 384" + sup(2) + " b2", generated("resnet50", image_size=384, batch=2)),
+        ("3D U-Net 64" + sup(3) + " b1", generated("unet3d", volume=64, batch=1)),
+        ("transformer b8 s256 d256 4 layers", generated("transformer", batch=8, seq=256, d_model=256, heads=8,
+                                                         ffn=1024, layers=4)),
+        ("DenseNet-style b8 96" + sup(2), generated("densenet", batch=8, image_size=96, growth=32, blocks=4,
+                                                    layers_per_block=6)),
+    ],
+    "quick": [
+        ("ResNet-50 128" + sup(2) + " b2", generated("resnet50", image_size=128, batch=2)),
+        ("3D U-Net 48" + sup(3) + " b1", generated("unet3d", volume=48, batch=1)),
+    ],
+}
+BUDGET_STEP = 0.05  # budgets tried: lower bound x (1, 1.05, 1.10, ...)
+MAX_TRIES = 12
+
+
+@dataclass
+class Measured:
+    what: str
+    min_limit_bytes: int | None
+    predicted_bytes: int | None  # executor model of the optimized graph, CPU scratch included
+    predicted_gpu_bytes: int | None  # the same without CPU scratch (what a GPU would need)
+    grappler_bytes: int | None
+    swapped_bytes: int = 0
+    budget_bytes: int | None = None
+    probes: int = 0
+    varies: bool = False
+    seconds: float = 0.0
+    note: str = ""
+
+
+def _measure(stand_in, model, label: str, observation, batch: int | None, extra: dict) -> Measured:
+    from lmscli.prove import realmem
+
+    t = time.perf_counter()
+    prediction, _ = realmem.predict(model, batch, observation)
+    found = stand_in.find_min(realmem._runnable(model), tuple(model.fetches),
+                              hint_bytes=prediction.predicted_standin_bytes, batch_size=batch or 1, runs=3)
+    return Measured(label, found.limit_bytes, prediction.predicted_standin_bytes, prediction.predicted_bytes,
+                    prediction.grappler_bytes, probes=len(found.probes), varies=found.varies,
+                    seconds=time.perf_counter() - t, **extra)
+
+
+def _smallest_plan(prepared, bound: int, strategy: str, budget_from: int | None = None):
+    """(budget, TuneResult) at the smallest budget from the lower bound up that lms accepts."""
+    from lmscli import api
+    from lmscli.errors import NoFitError
+
+    start = budget_from or bound
+    for k in range(MAX_TRIES):
+        budget = int(start * (1 + BUDGET_STEP * k))
+        try:
+            return budget, api.tune(prepared, api.make_device(gpu_mem=budget, reserve=0.0),
+                                    api.TuneOptions(strategy=strategy), check=False)
+        except NoFitError:
+            continue
+    return None, None
+
+
+def evaluate(label: str, spec, stand_in, log) -> dict:
+    import os
+    import tempfile
+
+    from lmscli import api
+
+    model, _ = load(spec)
+    from lmscli.prove.scratch import Observation
+
+    prepared = api.for_stand_in(api.prepare(model))
+    observation = Observation(dict(prepared.scratch), prepared.observed_order)
+    bound = api.analyze(prepared).lower_bound_bytes
+    rows = [_measure(stand_in, model, "original", observation, None, {})]
+    log(f"{label}: original needs {rows[0].min_limit_bytes:,} (predicted {rows[0].predicted_bytes:,})")
+    budget, lms_result = _smallest_plan(prepared, bound, "lms")
+    plans = [("lms", lms_result)]
+    if lms_result is not None:
+        plans.append(("lms --strategy tflms", _smallest_plan(prepared, bound, "tflms", budget)[1]))
+    with tempfile.TemporaryDirectory() as tmp:
+        for what, result in plans:
+            if result is None:
+                rows.append(Measured(what, None, None, None, None, note="no plan within "
+                                     f"{1 + BUDGET_STEP * (MAX_TRIES - 1):.2f}x the lower bound"))
+                continue
+            path = os.path.join(tmp, f"{what.split()[-1]}.meta")
+            api.save(model, api.rewrite(prepared, result.plan)[0], path)
+            rewritten = api.load(path, fetch=list(model.fetches))
+            row = _measure(stand_in, rewritten, what, observation, None,
+                           {"swapped_bytes": result.plan.swap_out_bytes,
+                            "budget_bytes": result.plan.predicted["budget_bytes"]})
+            rows.append(row)
+            log(f"{label}: {what} at budget {row.budget_bytes:,} needs {row.min_limit_bytes:,} "
+                f"(predicted {row.predicted_bytes:,})")
+    return {"graph": label, "lower_bound_bytes": bound, "rows": [asdict(r) for r in rows]}
+
+
+def _mib(x) -> str:
+    return "-" if x is None else f"{x / 2**20:,.1f} MiB"
+
+
+def _ratio(a, b) -> str:
+    return "-" if not a or not b else f"{a / b:.2f}x"
+
+
+def markdown(results: list, seconds: float, quick: bool) -> str:
+    lines = ["# Real memory on the stand-in GPU", "",
+             f"Made by `python bench/realmem.py{' --quick' if quick else ''}` on {time.strftime('%Y-%m-%d')} "
+             f"({platform.machine()}, Python {platform.python_version()}), {seconds / 60:.1f} minutes. "
+             "Each *measured* figure is the smallest limit, to 1 MiB, under which one training step ran in three "
+             "runs out of three on the stand-in GPU (TensorFlow's BFC allocator with a hard limit, in a server "
+             "process; swaps to a second process; TensorFlow's optimizations on). *Predicted* is lms's executor "
+             "model of the graph TensorFlow runs, with the CPU kernels' scratch buffers measured once (a GPU "
+             "would need the *GPU* figure, without them). *Grappler* is TensorFlow's static estimate plus "
+             "variables. lms's plan is made at the smallest budget it accepts, from the lower bound up in steps "
+             "of 5%; the TFLMS-style plan at the same budget.", "",
+             "| graph | lower bound | graph measured | measured | predicted | predicted vs measured | GPU "
+             "figure | Grappler | × lower bound | × original |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for res in results:
+        original = res["rows"][0]["min_limit_bytes"]
+        for row in res["rows"]:
+            m = row["min_limit_bytes"]
+            pred = row["predicted_bytes"]
+            diff = "-" if not m or not pred else f"{pred / m - 1:+.1%}"
+            what = row["what"] + (f" (budget {_mib(row['budget_bytes'])}, {_mib(row['swapped_bytes'])} swapped)"
+                                  if row["budget_bytes"] else "") + (" (varies)" if row["varies"] else "")
+            if row["note"]:
+                what += f": {row['note']}"
+            lines.append(f"| {res['graph']} | {_mib(res['lower_bound_bytes'])} | {what} | {_mib(m)} | {_mib(pred)} | "
+                         f"{diff} | {_mib(row['predicted_gpu_bytes'])} | {_mib(row['grappler_bytes'])} | "
+                         f"{_ratio(m, res['lower_bound_bytes'])} | {_ratio(m, original)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller shapes, a few minutes")
+    args = parser.parse_args(argv)
+    from lmscli.prove.standin import StandIn
+
+    t = time.perf_counter()
+    results = []
+    with StandIn() as stand_in:
+        for label, spec in GRAPHS["quick" if args.quick else "full"]:
+            results.append(evaluate(label, spec, stand_in, lambda text: print(text, flush=True)))
+    seconds = time.perf_counter() - t
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / ("realmem-quick.json" if args.quick else "realmem.json")).write_text(json.dumps(results, indent=2))
+    (BENCH / "REAL-MEMORY.md").write_text(markdown(results, seconds, args.quick))
+    print(markdown(results, seconds, args.quick))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Memory claims proven by real runs on the stand-in GPU (:mod:`lmscli.prove.standin`).
+
+Two questions, each answered by TensorFlow's own allocator under a hard limit:
+
+* :func:`prove_at_limit`: at ``limit`` bytes, does the original run out of memory, does the
+  rewrite train, and does it compute bit-identically what the original computes (against the
+  original's run without a limit)?
+* :func:`measure_need`: the smallest limit, to 1 MiB, under which one training step of a graph
+  runs, beside what the simulator predicts for it and Grappler's estimate.
+
+What a CPU stand-in does that a GPU would not (CPU convolution scratch buffers; the CPU
+executor's order, which queues expensive ops last-in first-out) is observed once per graph in a
+traced step and reported apart: ``predicted_bytes`` is the GPU prediction (the executor model
+in Grappler's first-ready order), ``predicted_standin_bytes`` the stand-in's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lmscli.errors import EXIT_OUT_OF_MEMORY, LmsError
+from lmscli.units import format_size
+
+SCHEMA_VERSION = 1
+
+
+class RewrittenOutOfMemory(LmsError):
+    """The rewritten graph ran out of memory on the stand-in at the limit it was proven at."""
+
+    exit_code = EXIT_OUT_OF_MEMORY
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the simulator says one step of a graph needs (variables included)."""
+
+    predicted_bytes: int  # the executor model of the optimized graph: what a GPU allocates (tensors, variables)
+    predicted_standin_bytes: int  # the same with the CPU stand-in's kernel scratch
+    scratch_peak_bytes: int  # the largest scratch one op of the step holds
+    grappler_bytes: int | None  # Grappler's static estimate plus variables (a second opinion)
+
+
+def predict(model, batch_size: int | None = None, observation=None) -> tuple[Prediction, object]:
+    """Predict one step of ``model`` (a loaded Model) on a GPU and on the stand-in. The stand-in's
+    figure follows what one traced CPU step shows (kernel scratch, the CPU executor's order:
+    :func:`lmscli.prove.scratch.observe`); ``observation`` is measured when not given, and
+    returned to reuse for a rewrite of the same graph (same kernels, same order)."""
+    from lmscli import api, grappler, verify
+    from lmscli.prove.scratch import observe
+    from lmscli.simulator import simulate
+
+    meta, _ = verify.map_gpu_ops(model.meta_graph)
+    model = api.Model(model.path, model.format, meta, tuple(model.fetches), model.fetch_source, list(model.notes))
+    prepared = api.prepare(model, batch_size=batch_size)
+    schedule = prepared.schedule
+    if observation is None:
+        observation = observe(api.with_graph_def(meta, prepared.graph_def), model.fetches, batch_size or 1)
+    # The graph TensorFlow runs (Grappler-optimized) when it can be scheduled, else the graph as written.
+    on_gpu = prepared.run_peak_bytes or simulate(schedule, detail=False).peak_bytes
+    seen = prepared.observed(observation.order, observation.scratch)
+    standin = seen.run_peak_bytes or simulate(seen.schedule, detail=False).peak_bytes
+    try:
+        estimate = grappler.estimate_peak(api.with_graph_def(meta, prepared.graph_def), model.fetches)
+        grappler_bytes = estimate.gpu_peaks.get(schedule.device, estimate.gpu_peak_bytes) + schedule.variable_bytes
+    except LmsError:
+        grappler_bytes = None
+    largest = max((observation.scratch.get(name, 0) for name in schedule.names), default=0)
+    return Prediction(on_gpu, standin, largest, grappler_bytes), observation
+
+
+@dataclass(frozen=True)
+class Need:
+    """The smallest limit under which one step of a graph runs on the stand-in."""
+
+    path: str
+    min_limit_bytes: int
+    probes: tuple[tuple[int, bool], ...]
+    varies: bool
+    seconds: float
+    prediction: Prediction
+
+    def to_dict(self) -> dict:
+        p = self.prediction
+        return {"path": self.path, "min_limit_bytes": self.min_limit_bytes,
+                "predicted_bytes": p.predicted_bytes, "predicted_standin_bytes": p.predicted_standin_bytes,
+                "scratch_peak_bytes": p.scratch_peak_bytes, "grappler_bytes": p.grappler_bytes,
+                "predicted_vs_measured": round(p.predicted_standin_bytes / self.min_limit_bytes, 4),
+                "varies": self.varies, "probes": [list(x) for x in self.probes], "seconds": round(self.seconds, 2)}
+
+
+def measure_need(models, batch_size: int | None = None, runs: int = 3, optimize: bool = True,
+                 stand_in=None) -> tuple[Need, ...]:
+    """The smallest limit (to 1 MiB) under which one step of each of ``models`` runs, each found by
+    bisection around the simulator's prediction and confirmed ``runs`` times. The first model's
+    kernel scratch is reused for the others (a rewrite runs the same kernels)."""
+    from lmscli.prove.standin import StandIn
+
+    out = []
+    observation = None
+    owned = stand_in is None
+    stand_in = stand_in or StandIn(optimize=optimize)
+    try:
+        for model in models:
+            prediction, observation = predict(model, batch_size, observation)
+            meta = _runnable(model)
+            found = stand_in.find_min(meta, tuple(model.fetches), hint_bytes=prediction.predicted_standin_bytes,
+                                      batch_size=batch_size or 1, runs=runs)
+            out.append(Need(model.path, found.limit_bytes, found.probes, found.varies, found.seconds, prediction))
+    finally:
+        if owned:
+            stand_in.close()
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class LimitProof:
+    """Both graphs of a rewrite run at one limit on the stand-in."""
+
+    limit_bytes: int
+    original: object  # StepVerdict at the limit
+    rewritten: object  # StepVerdict at the limit
+    identical: bool | None  # rewritten (at the limit) against the original without a limit
+    difference: str | None
+    steps: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def proven(self) -> bool:
+        """The rewrite trains under the limit, bit-identically."""
+        return bool(self.rewritten.fits and self.identical)
+
+    def line(self) -> str:
+        """The proof in one line, e.g. ``original: out of memory at 12.00 MiB; rewritten: trains at
+        12.00 MiB, bit-identical``."""
+        size = format_size(self.limit_bytes)
+        first = f"original: {'trains' if self.original.fits else 'out of memory'} at {size}"
+        if not self.rewritten.fits:
+            return f"{first}; rewritten: out of memory at {size}"
+        same = "bit-identical" if self.identical else f"DIFFERENT ({self.difference})"
+        return f"{first}; rewritten: trains at {size}, {same}"
+
+    def to_dict(self) -> dict:
+        def verdict(v) -> dict:
+            return {"fits": v.fits, "runs": v.runs, "failures": v.failures, "varies": v.varies,
+                    "oom_node": v.oom_node, "message": v.message, "seconds": round(v.seconds, 2)}
+
+        return {"limit_bytes": self.limit_bytes, "proven": self.proven, "line": self.line(),
+                "original": verdict(self.original), "rewritten": verdict(self.rewritten),
+                "identical": self.identical, "first_difference": self.difference, "steps": self.steps,
+                "notes": list(self.notes)}
+
+
+def prove_at_limit(original, rewritten, limit_bytes: int, steps: int = 1, runs: int = 3,
+                   batch_size: int | None = None, loss: str | None = None, optimize: bool = True,
+                   stand_in=None) -> LimitProof:
+    """Run ``original`` and ``rewritten`` (loaded Models) for ``steps`` steps on the stand-in at
+    ``limit_bytes``, ``runs`` times each, and the original once without a limit as the reference
+    its rewrite must match bit for bit."""
+    from lmscli import verify
+    from lmscli.prove.standin import StandIn
+
+    fetches = tuple(original.fetches)
+    meta_a, meta_b = _runnable(original), _runnable(rewritten)
+    loss = loss or verify.default_loss(meta_a)
+    batch = batch_size or 1
+    owned = stand_in is None
+    stand_in = stand_in or StandIn(optimize=optimize)
+    notes = []
+    try:
+        at_limit = stand_in.run(meta_a, fetches, limit_bytes, batch_size=batch, steps=steps, runs=runs, loss=loss)
+        reference = at_limit if at_limit.fits else stand_in.run(meta_a, fetches, None, batch_size=batch,
+                                                                steps=steps, runs=1, loss=loss)
+        rewrite = stand_in.run(meta_b, fetches, limit_bytes, batch_size=batch, steps=steps, runs=runs, loss=loss)
+    finally:
+        if owned:
+            stand_in.close()
+    if at_limit.fits:
+        notes.append(f"the original also trains at {format_size(limit_bytes)}: the rewrite is not needed there")
+    for label, v in (("original", at_limit), ("rewritten", rewrite)):
+        if v.varies:
+            notes.append(f"{label}: {v.failures} of {v.runs} runs ran out of memory (the executor's order varies "
+                         "between runs); a limit this close to the need is not safe")
+    identical = difference = None
+    if rewrite.fits and reference.result is not None and rewrite.result is not None:
+        diff = verify.compare(reference.result, rewrite.result)
+        identical, difference = diff is None, (diff.message if diff else None)
+    return LimitProof(limit_bytes, at_limit, rewrite, identical, difference, steps, tuple(notes))
+
+
+def _runnable(model):
+    """The model's MetaGraphDef as the stand-in takes it (it maps Grappler's GPU-only copy ops to
+    Identity on the side their output lives on, so a copy still leaves the limited process)."""
+    return model.meta_graph
