@@ -10,6 +10,8 @@ of any shape for memory benchmarks::
     python sample_graphs/generate.py --model resnet50 --image-size 2000 --batch 1 --out /tmp/r.meta
     python sample_graphs/generate.py --model unet3d --volume 128 --batch 1 --out /tmp/u.meta
     python sample_graphs/generate.py --model synthetic --nodes 60000 --out /tmp/s.meta
+    python sample_graphs/generate.py --model transformer --seq 512 --layers 4 --out /tmp/t.meta
+    python sample_graphs/generate.py --model densenet --image-size 128 --growth 32 --out /tmp/d.meta
     python sample_graphs/generate.py --check sample_graphs/*.meta   # one training step each
 
 Import it to build graphs in memory::
@@ -60,6 +62,8 @@ DEFAULTS = {
     "synthetic": dict(nodes=10000, batch=8, width=32),
     "frozen_cnn": dict(batch=1, image_size=32, channels=3, classes=10),
     "two_gpu_cnn": dict(batch=8, image_size=32, channels=3, classes=10),
+    "transformer": dict(batch=2, seq=32, d_model=64, heads=4, ffn=256, layers=2),
+    "densenet": dict(batch=2, image_size=32, channels=3, classes=10, growth=12, blocks=3, layers_per_block=4),
 }
 
 MODELS = tuple(DEFAULTS)
@@ -388,6 +392,76 @@ def _two_gpu_cnn(net, batch, image_size, channels, classes):
     return {"images": x, "labels": y, "loss": loss}
 
 
+def _transformer(net, batch, seq, d_model, heads, ffn, layers):
+    """A pre-LN transformer encoder without embeddings, regressing float targets (MSE), Adam."""
+    if d_model % heads:
+        raise ValueError("d_model %d must be divisible by heads %d" % (d_model, heads))
+    dh = d_model // heads
+    x = v1.placeholder(tf.float32, [batch, seq, d_model], name="inputs")
+    y = v1.placeholder(tf.float32, [batch, seq, d_model], name="labels")
+
+    def layer_norm(h, name):
+        with v1.variable_scope(name):
+            gamma = net.const_var("gamma", [d_model], 1.0)
+            beta = net.const_var("beta", [d_model], 0.0)
+            mean, var = tf.nn.moments(h, [-1], keepdims=True)
+            return (h - mean) * tf.math.rsqrt(var + 1e-5) * gamma + beta
+
+    def split_heads(t):  # [batch*seq, d_model] -> [batch, heads, seq, dh]
+        return tf.transpose(tf.reshape(t, [batch, seq, heads, dh]), [0, 2, 1, 3])
+
+    def self_attention(h, name):
+        with v1.variable_scope(name):
+            q = split_heads(net.dense(h, d_model, "query"))
+            k = split_heads(net.dense(h, d_model, "key"))
+            v = split_heads(net.dense(h, d_model, "value"))
+            scores = tf.matmul(q, k, transpose_b=True) * (1.0 / math.sqrt(dh))
+            probs = tf.nn.softmax(scores, name="probs")  # [batch, heads, seq, seq]
+            ctx = tf.transpose(tf.matmul(probs, v), [0, 2, 1, 3])
+            ctx = tf.reshape(ctx, [batch * seq, d_model])
+            return net.dense(ctx, d_model, "output")
+
+    h = tf.reshape(x, [batch * seq, d_model], name="flatten")  # tokens as rows
+    for i in range(layers):
+        with v1.variable_scope("layer%d" % (i + 1)):
+            h = h + self_attention(layer_norm(h, "ln1"), "attention")
+            f = net.dense(layer_norm(h, "ln2"), ffn, "ffn1", act=tf.nn.gelu)
+            h = h + net.dense(f, d_model, "ffn2")
+    h = net.dense(layer_norm(h, "final_ln"), d_model, "head")
+    out = tf.reshape(h, [batch, seq, d_model], name="outputs")
+    loss = tf.identity(tf.reduce_mean(tf.math.squared_difference(out, y)), name="loss")
+    _finish(loss, v1.train.AdamOptimizer(1e-3))
+    return {"inputs": x, "labels": y, "loss": loss}
+
+
+def _densenet(net, batch, image_size, channels, classes, growth, blocks, layers_per_block):
+    """DenseNet: each layer's output concatenated to its block's input; Momentum."""
+    x = v1.placeholder(tf.float32, [batch, image_size, image_size, channels], name="images")
+    y = v1.placeholder(tf.float32, [batch, classes], name="labels")
+
+    def bn_relu_conv(h, filters, k, name):
+        with v1.variable_scope(name):
+            h = tf.nn.relu(net.batch_norm(h, "bn"), name="relu")
+            return net.conv2d(h, filters, k, "conv", bias=False, act=None)
+
+    h = net.conv2d(x, 2 * growth, 3, "conv0", bias=False, act=None)
+    for b in range(blocks):
+        with v1.variable_scope("block%d" % (b + 1)):
+            for i in range(layers_per_block):
+                new = bn_relu_conv(h, growth, 3, "layer%d" % (i + 1))
+                h = tf.concat([h, new], axis=-1, name="concat%d" % (i + 1))
+        if b < blocks - 1:  # transition: halve the channels and the image
+            with v1.variable_scope("transition%d" % (b + 1)):
+                h = bn_relu_conv(h, int(h.shape[-1]) // 2, 1, "compress")
+                h = tf.nn.avg_pool2d(h, 2, 2, "SAME", name="pool")
+    h = tf.nn.relu(net.batch_norm(h, "final_bn"), name="final_relu")
+    h = tf.reduce_mean(h, axis=[1, 2], name="global_pool")
+    logits = net.dense(h, classes, "fc")
+    loss = _softmax_loss(logits, y)
+    _finish(loss, v1.train.MomentumOptimizer(0.01, 0.9))
+    return {"images": x, "labels": y, "loss": loss}
+
+
 def _synthetic_blocks(net, blocks, batch, width):
     """A deep residual stack of small dense blocks with a loss and GradientDescent."""
     x = v1.placeholder(tf.float32, [batch, width], name="inputs")
@@ -410,6 +484,8 @@ _BODIES = {
     "while_rnn": _while_rnn,
     "cond_cnn": _cond_cnn,
     "two_gpu_cnn": _two_gpu_cnn,
+    "transformer": _transformer,
+    "densenet": _densenet,
 }
 DEVICE_MODELS = ("two_gpu_cnn",)  # models whose ops keep the devices they were built on
 
@@ -478,9 +554,10 @@ def build(model, **shape_kwargs):
     """Builds one training graph and returns its ``MetaGraphDef``.
 
     ``model`` is one of ``mlp cnn resnet50 unet3d unknown_batch while_rnn
-    cond_cnn synthetic``; shape keywords (see ``DEFAULTS``) override the
-    defaults, e.g. ``build('resnet50', image_size=2000, batch=1)``,
-    ``build('unet3d', volume=128)``, ``build('synthetic', nodes=60000)``.
+    cond_cnn two_gpu_cnn transformer densenet synthetic``; shape keywords (see
+    ``DEFAULTS``) override the defaults, e.g. ``build('resnet50',
+    image_size=2000, batch=1)``, ``build('unet3d', volume=128)``,
+    ``build('transformer', seq=256, layers=4)``, ``build('synthetic', nodes=60000)``.
     ``frozen_cnn`` is an inference GraphDef: use ``build_frozen_cnn``.
     """
     if model == "frozen_cnn":
@@ -713,7 +790,7 @@ def check_meta(path, unknown_dim=2, seed=0):
 
 _CLI_SHAPES = (
     ("batch", int, "batch size"),
-    ("image_size", int, "image height and width (cnn, resnet50, unknown_batch, cond_cnn, frozen_cnn)"),
+    ("image_size", int, "image height and width (cnn, resnet50, unknown_batch, cond_cnn, frozen_cnn, densenet)"),
     ("channels", int, "input channels"),
     ("classes", int, "number of classes"),
     ("volume", int, "3D volume edge (unet3d)"),
@@ -724,6 +801,14 @@ _CLI_SHAPES = (
     ("steps", int, "time steps (while_rnn)"),
     ("nodes", int, "approximate node count (synthetic)"),
     ("width", int, "block width (synthetic)"),
+    ("seq", int, "sequence length (transformer)"),
+    ("d_model", int, "model width (transformer)"),
+    ("heads", int, "attention heads, dividing d_model (transformer)"),
+    ("ffn", int, "feed-forward hidden size (transformer)"),
+    ("layers", int, "encoder layers (transformer)"),
+    ("growth", int, "growth rate: filters of each layer (densenet)"),
+    ("blocks", int, "dense blocks (densenet)"),
+    ("layers_per_block", int, "layers of each dense block (densenet)"),
 )
 
 
@@ -748,6 +833,10 @@ def main(argv=None):
     if a.list:
         for n, (files, desc) in SAMPLES.items():
             print("%-15s %-34s %s" % (n, ", ".join(files), desc))
+        for n in MODELS:  # benchmark models, not in the sample set
+            if n not in SAMPLES:
+                shape = ", ".join("%s=%s" % kv for kv in DEFAULTS[n].items())
+                print("%-15s %-34s %s" % (n, "(--model only)", shape))
         return 0
 
     if a.check:
