@@ -13,8 +13,8 @@ Beside each measured limit: what lms predicts for it (the executor model of the 
 runs, with the CPU scratch) and Grappler's static estimate (plus variables). The lower bound is
 that of the executor model with scratch. Writes bench/REAL-MEMORY.md and bench/out/realmem.json.
 
-    python bench/realmem.py            # the four graphs below (about 30 minutes on 2 cores)
-    python bench/realmem.py --quick    # smaller shapes (a few minutes)
+    python bench/realmem.py            # the graphs below (about 30 minutes on 2 cores)
+    python bench/realmem.py --quick    # the residual MLP only (a few minutes)
 """
 
 from __future__ import annotations
@@ -30,16 +30,16 @@ from common import BENCH, OUT, generated, load, sup
 
 GRAPHS = {
     "full": [
-        ("ResNet-50 384" + sup(2) + " b2", generated("resnet50", image_size=384, batch=2)),
-        ("3D U-Net 64" + sup(3) + " b1", generated("unet3d", volume=64, batch=1)),
+        ("residual MLP b4096 w512 (synthetic)", generated("synthetic", nodes=600, batch=4096, width=512)),
+        ("ResNet-50 64" + sup(2) + " b2 (sample)", generated("resnet50", image_size=64, batch=2)),
         ("transformer b8 s256 d256 4 layers", generated("transformer", batch=8, seq=256, d_model=256, heads=8,
                                                          ffn=1024, layers=4)),
-        ("DenseNet-style b8 96" + sup(2), generated("densenet", batch=8, image_size=96, growth=32, blocks=4,
-                                                    layers_per_block=6)),
+        ("DenseNet-style b8 64" + sup(2), generated("densenet", batch=8, image_size=64, growth=24, blocks=3,
+                                                    layers_per_block=4)),
+        ("3D U-Net 48" + sup(3) + " b1", generated("unet3d", volume=48, batch=1)),
     ],
     "quick": [
-        ("ResNet-50 128" + sup(2) + " b2", generated("resnet50", image_size=128, batch=2)),
-        ("3D U-Net 48" + sup(3) + " b1", generated("unet3d", volume=48, batch=1)),
+        ("residual MLP b4096 w512 (synthetic)", generated("synthetic", nodes=600, batch=4096, width=512)),
     ],
 }
 BUDGET_STEP = 0.05  # budgets tried: lower bound x (1, 1.05, 1.10, ...)
@@ -76,13 +76,14 @@ def _measure(stand_in, model, label: str, observation, batch: int | None, extra:
 def _smallest_plan(prepared, bound: int, strategy: str, budget_from: int | None = None):
     """(budget, TuneResult) at the smallest budget from the lower bound up that lms accepts."""
     from lmscli import api
+    from lmscli.device import STAND_IN_LINK
     from lmscli.errors import NoFitError
 
     start = budget_from or bound
     for k in range(MAX_TRIES):
         budget = int(start * (1 + BUDGET_STEP * k))
         try:
-            return budget, api.tune(prepared, api.make_device(gpu_mem=budget, reserve=0.0),
+            return budget, api.tune(prepared, api.make_device(gpu_mem=budget, reserve=0.0, link=STAND_IN_LINK),
                                     api.TuneOptions(strategy=strategy), check=False)
         except NoFitError:
             continue

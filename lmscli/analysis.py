@@ -37,13 +37,14 @@ class Prepared:
     scratch: object = None  # node name -> kernel scratch bytes counted in the schedules (the CPU stand-in's)
     trace: object = None  # Grappler's trace the schedules were built from (None: roofline model)
     observed_order: tuple = ()  # an execution order observed in a real run, followed by the schedules
+    observed_micros: object = None  # op times observed in that run (node name -> microseconds)
 
     @functools.cached_property
     def run_peak_bytes(self) -> int | None:
         """The executor model's peak of the graph a Session runs for this step (Grappler's
         optimizations applied; see :func:`run_peak`); None if unknown."""
         return run_peak(self.model, with_graph_def(self.model.meta_graph, self.graph_def), self.optimized,
-                        self.scratch, self.observed_order)
+                        self.scratch, self.observed_order, self.observed_micros)
 
     def with_scratch(self, scratch: dict) -> "Prepared":
         """The same step with each op's kernel scratch (node name -> bytes) counted while it runs."""
@@ -51,16 +52,17 @@ class Prepared:
         chosen = next((s for s in schedules if s.device == self.schedule.device), self.schedule.with_scratch(scratch))
         return replace(self, schedule=chosen, schedules=schedules, scratch=dict(scratch))
 
-    def observed(self, order, scratch: dict | None = None) -> "Prepared":
+    def observed(self, order, scratch: dict | None = None, micros: dict | None = None) -> "Prepared":
         """The same step in an execution order observed in a real run (op names; ops the run did not
-        show run as soon as they are ready), with kernel scratch if given."""
-        trace = self.trace.observed(order) if self.trace is not None else None
+        show run as soon as they are ready), with kernel scratch and op times if given."""
+        trace = self.trace.observed(order, micros) if self.trace is not None else None
         if trace is None:
             return self.with_scratch(scratch) if scratch else self
         schedules = build_schedules(self.view, self.model.fetches, trace=trace,
                                     memory_model=self.schedule.memory_model)
         chosen = next((s for s in schedules if s.device == self.schedule.device), schedules[0])
-        seen = replace(self, schedule=chosen, schedules=schedules, observed_order=tuple(order))
+        seen = replace(self, schedule=chosen, schedules=schedules, observed_order=tuple(order),
+                       observed_micros=dict(micros or {}))
         return seen.with_scratch(scratch) if scratch else seen
 
     @property
@@ -127,10 +129,12 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
                     trace=trace)
 
 
-def run_peak(model: Model, meta_graph, optimized, scratch: dict | None = None, order=()) -> int | None:
+def run_peak(model: Model, meta_graph, optimized, scratch: dict | None = None, order=(),
+             micros: dict | None = None, link_bandwidth: float = float("inf")) -> int | None:
     """The executor model's peak of the graph a Session really runs: ``optimized``, what
     Grappler's default optimizations make of ``meta_graph`` (fusions, folded constants and the
-    order they allow change the step's memory: on an attention model it fell by a third). The
+    order they allow change the step's memory: on an attention model it fell by a third); for the
+    stand-in (``order`` or ``scratch`` observed on it) with the BFC allocator's fragmentation. The
     largest over the step's GPUs, resident bytes included; None when it cannot be scheduled."""
     from lmscli.errors import LmsError
 
@@ -143,10 +147,19 @@ def run_peak(model: Model, meta_graph, optimized, scratch: dict | None = None, o
     except LmsError:
         return None
     if order:
-        seen = seen.observed(order)
+        seen = seen.observed(order, micros=micros)
     if scratch:
         seen = seen.with_scratch(scratch)
-    return max(simulate(s, detail=False).peak_bytes for s in seen.schedules or (seen.schedule,))
+    # On the stand-in (an observed order or kernel scratch), the allocator's fragmentation too; a
+    # GPU plan leaves it to --reserve, with cuDNN's workspaces. Its transfers are gRPC's.
+    stand_in = bool(order or scratch)
+    if stand_in and link_bandwidth == float("inf"):
+        from lmscli.device import STAND_IN_LINK
+        from lmscli.units import parse_bandwidth
+
+        link_bandwidth = parse_bandwidth(STAND_IN_LINK)
+    return max(simulate(s, detail=False, link_bandwidth=link_bandwidth, allocator=stand_in).allocator_peak_bytes
+               for s in seen.schedules or (seen.schedule,))
 
 
 def with_graph_def(meta_graph, graph_def):

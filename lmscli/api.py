@@ -93,22 +93,32 @@ def optimizer_culprits(prepared: Prepared, plan: Plan, rewritten, optimized=None
     return (), ()
 
 
-def run_peak(prepared: Prepared, rewritten, optimized) -> int | None:
-    """See :func:`lmscli.analysis.run_peak` (with the prepared step's kernel scratch, if counted)."""
+def run_peak(prepared: Prepared, rewritten, optimized, link_bandwidth: float = float("inf")) -> int | None:
+    """See :func:`lmscli.analysis.run_peak`, with transfers at ``link_bandwidth``. For the stand-in
+    (a step prepared with :func:`for_stand_in`) the rewritten step is observed itself, in one
+    traced CPU run: its swap nodes and trigger edges change the order the CPU executor picks (on a
+    residual MLP, a plan judged in the original's order needed 40% more than judged)."""
     from lmscli.analysis import run_peak as peak_of
 
-    return peak_of(prepared.model, rewritten, optimized, prepared.scratch)
+    if not prepared.observed_order:
+        return peak_of(prepared.model, rewritten, optimized, link_bandwidth=link_bandwidth)
+    from lmscli.prove.scratch import observe
+
+    seen = observe(rewritten, prepared.model.fetches, prepared.batch_size or 1)
+    return peak_of(prepared.model, rewritten, optimized, {**(prepared.scratch or {}), **seen.scratch}, seen.order,
+                   seen.micros, link_bandwidth)
 
 
 def for_stand_in(prepared: Prepared) -> Prepared:
     """The step as the CPU stand-in GPU of ``lms verify --gpu-mem`` runs it: the kernel scratch of
-    this machine's CPU kernels and the CPU executor's order, both observed in one traced step (see
-    :mod:`lmscli.prove.scratch`). For plans meant to be proven on the stand-in."""
+    this machine's CPU kernels, the CPU executor's order and the CPU's op times, all observed in
+    one traced step (see :mod:`lmscli.prove.scratch`). For plans meant to be proven on the
+    stand-in (with the stand-in's link: :data:`lmscli.device.STAND_IN_LINK`)."""
     from lmscli.prove.scratch import observe
 
     meta = with_graph_def(prepared.model.meta_graph, prepared.graph_def)
     seen = observe(meta, prepared.model.fetches, prepared.batch_size or 1)
-    return prepared.observed(seen.order, seen.scratch)
+    return prepared.observed(seen.order, seen.scratch, seen.micros)
 
 
 def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(), check: bool = True,
@@ -231,7 +241,8 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
             continue
         if executor and not manual and len(prepared.schedules) <= 1:
             # The judge: the executor model on the graph the Session runs (Grappler-optimized).
-            peak = run_peak(prepared, meta, optimized) if result.plan.swaps else prepared.run_peak_bytes
+            peak = (run_peak(prepared, meta, optimized, device.link_bandwidth) if result.plan.swaps
+                    else prepared.run_peak_bytes)
             if peak is not None and not result.plan.swaps and peak <= device.budget:
                 line = ("[LMS] [Simulator] LMS is not necessary: the graph TensorFlow runs after its optimizations "
                         f"needs {peak:,} bytes <= {device.budget:,}")

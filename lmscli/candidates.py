@@ -9,6 +9,7 @@ A tensor is a *candidate* when swapping it is both safe and useful:
   as an activation;
 * its dtype is numeric (no resource, variant or string handles), its rank is at least 2 and its
   size is known;
+* it is not summed by an AddN of three or more inputs (see :func:`_order_sensitive_sum`);
 * at least one consumer is *rewirable*: a GPU op outside while-loop frames that is not itself a
   control-flow op (those need their inputs in a particular frame or form), and whose edge from
   the producer is not one Grappler fuses (see :data:`FUSED_EDGES`).
@@ -126,6 +127,8 @@ def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters()
         info = view.tensor(node, t.output)
         if info is None or info.num_bytes is None or info.itemsize == 0 or (info.rank or 0) < 2:
             continue
+        if any(_order_sensitive_sum(view, schedule.nodes[c]) for c in t.consumers):
+            continue
         if not filters.producer_ok(view.names[node], op):
             continue
         rewirable, pinned = [], []
@@ -142,6 +145,18 @@ def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters()
         if rewirable:
             out[t.id] = Candidate(t.id, tuple(rewirable), tuple(pinned))
     return out
+
+
+SUM_OPS = frozenset({"AddN", "AccumulateNV2"})
+
+
+def _order_sensitive_sum(view: GraphView, node: int) -> bool:
+    """An AddN of three or more tensors: its kernel writes the sum into the first input whose
+    buffer it may reuse and adds the others from there, so which input is free to reuse (a swap-out
+    still holds its tensor; a swap-in's buffer is its own) changes the order of the sum, and the
+    last bits of the result. Seen on the stand-in GPU, where transfers really copy: a residual
+    net's weight gradient differed by 7e-9. Two inputs commute exactly."""
+    return view.ops[node] in SUM_OPS and len(view.data_inputs[node]) >= 3
 
 
 def _no_gain(schedule: Schedule) -> set[int]:

@@ -16,7 +16,7 @@ from functools import wraps
 import click
 
 from lmscli import __version__
-from lmscli.device import NO_BUDGET
+from lmscli.device import NO_BUDGET, STAND_IN_LINK
 from lmscli.device import PRESETS as _PRESETS
 from lmscli.errors import EXIT_ERROR, LmsError
 
@@ -344,6 +344,7 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
             prepared = api.prepare(loaded, batch_size=batch_size, judge=judge)
             if stand_in:
                 prepared = api.for_stand_in(prepared)
+                link = link or STAND_IN_LINK
             device = _device(prepared, gpu_mem, device_preset, reserve, host_mem, link)
         with progress.phase("tuning" + ("" if no_grappler_check else ", then checking the plan with Grappler")), \
                 _no_fit_json("lms.tune", as_json):
@@ -417,6 +418,7 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
         prepared = api.prepare(loaded, batch_size=batch_size, judge=judge)
         if stand_in:
             prepared = api.for_stand_in(prepared)
+            link = link or STAND_IN_LINK
     options = _tune_options(**plan_kwargs)
     if plan_file:
         try:

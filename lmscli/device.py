@@ -19,6 +19,11 @@ LINKS = {
     "nvlink-c2c": 450e9,
 }
 
+# The stand-in GPU's "link": a tensor sent between two TensorFlow server processes on this machine
+# over gRPC on the loopback (serialized, copied, parsed). A conservative figure for planning swaps
+# that ``lms verify --gpu-mem`` proves (``--stand-in``).
+STAND_IN_LINK = "1GB/s"
+
 # name -> (gpu memory, fp32 FLOP/s, device memory bandwidth B/s, default link)
 PRESETS = {
     "v100-16g": (16 << 30, 15.7e12, 900e9, "nvlink2"),

@@ -106,9 +106,10 @@ class Trace:
     unmatched_first: bool = False  # ops missing from ``order`` run as soon as they are ready (an
     # order observed on the optimized graph lacks the nodes Grappler removed: cheap forwarding ops)
 
-    def observed(self, order) -> "Trace":
-        """The same op times in an execution order observed in a real run."""
-        return Trace(tuple(order), self.micros, self.on_host, True)
+    def observed(self, order, micros: dict | None = None) -> "Trace":
+        """An execution order observed in a real run, with the op times observed there (ops it did
+        not show keep this trace's times)."""
+        return Trace(tuple(order), {**self.micros, **(micros or {})}, self.on_host, True)
 
 
 def _step_stats(meta_graph, fetches, gpu_mem: int = 1 << 50):

@@ -25,6 +25,8 @@ schedule's order): the executor model is within 1-7% of the measurement where Gr
 
 from __future__ import annotations
 
+import bisect
+
 MODELS = ("executor", "grappler")
 
 FORWARDING_OPS = frozenset({
@@ -118,3 +120,60 @@ def roots(schedule) -> tuple[int, ...]:
         else:
             out.append(out[link])
     return tuple(out)
+
+
+SPLIT_ALWAYS = 128 << 20  # the BFC allocator splits a free chunk this much larger than the request
+
+
+def allocator_high_water(events, base: int = 0) -> int:
+    """Where the highest allocation of a step ends in a BFC allocator's one region: the smallest
+    limit under which the step's allocations (``events``, sorted ``(time, order, kind, id, delta)``)
+    all find room, fragmentation included, plus ``base`` (what is resident below them).
+
+    The allocator's policy, as TensorFlow's BFC allocator (the one GPUs and the stand-in use):
+    requests rounded to 256 bytes; the smallest free chunk that fits, lowest address first; a chunk
+    at least twice the request (or 128 MiB larger) is split, else handed out whole; freed chunks
+    merge with free neighbours. A large temporary in the middle of the step (a CPU convolution
+    gradient's 27 MiB buffer) can need a hole that the live tensors have cut into pieces."""
+    top = 1 << 62
+    free: list[tuple[int, int]] = [(top, 0)]  # (size, address), sorted: best fit is the first that fits
+    chunks: dict[int, list] = {0: [top, False]}  # address -> [size, in use]
+    addresses = [0]
+    placed: dict[tuple, int] = {}
+    high = 0
+    for event in events:
+        key, delta = (event[2], event[3]), event[4]
+        if delta > 0:
+            need = max(ALIGNMENT, rounded(delta))
+            size, address = free.pop(bisect.bisect_left(free, (need, -1)))
+            if size >= 2 * need or size - need >= SPLIT_ALWAYS:
+                chunks[address] = [need, True]
+                rest = address + need
+                chunks[rest] = [size - need, False]
+                bisect.insort(addresses, rest)
+                bisect.insort(free, (size - need, rest))
+            else:
+                chunks[address][1] = True
+            placed[key] = address
+            high = max(high, address + chunks[address][0])
+        elif key in placed:
+            address = placed.pop(key)
+            size = chunks[address][0]
+            i = bisect.bisect_left(addresses, address)
+            if i + 1 < len(addresses):
+                after = addresses[i + 1]
+                if not chunks[after][1]:
+                    free.remove((chunks[after][0], after))
+                    size += chunks.pop(after)[0]
+                    addresses.pop(i + 1)
+            if i > 0:
+                before = addresses[i - 1]
+                if not chunks[before][1]:
+                    free.remove((chunks[before][0], before))
+                    size += chunks[before][0]
+                    del chunks[address]
+                    addresses.pop(i)
+                    address = before
+            chunks[address] = [size, False]
+            bisect.insort(free, (size, address))
+    return high + base

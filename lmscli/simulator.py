@@ -65,6 +65,7 @@ class SimResult:
     transfers: tuple[tuple[str, int, float, float], ...] = field(default=())  # (dir, tensor, start, end)
     starts: tuple[int, ...] = field(default=())  # microseconds, per position
     ends: tuple[int, ...] = field(default=())
+    allocator_peak_bytes: int = 0  # with ``allocator=True``: the smallest limit the BFC allocator needs
 
     @property
     def overhead(self) -> float:
@@ -77,11 +78,14 @@ def transfer_us(num_bytes: int, bandwidth: float) -> int:
     return int(round(num_bytes / bandwidth * 1e6))  # whole microseconds, as op times
 
 
-def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, detail: bool = True) -> SimResult:
+def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, detail: bool = True,
+             allocator: bool = False) -> SimResult:
     """Simulate one step of ``schedule`` with ``swaps`` (a sequence of :class:`SimSwap`).
 
     ``detail=False`` computes the peaks, traffic and times only (no curves, no per-position
-    memory, no live set): what a search needs to decide fit or no fit."""
+    memory, no live set): what a search needs to decide fit or no fit. ``allocator=True`` (executor
+    model) also places every allocation as the BFC allocator does, for the limit the step needs
+    with fragmentation (:func:`lmscli.memmodel.allocator_high_water`)."""
     n = len(schedule)
     tensors = schedule.tensors
     swap_of = {s.tensor: s for s in swaps}
@@ -191,6 +195,11 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
         host_curve.append((time / 1e6, host_live))
 
     compute_us = sum(schedule.compute)
+    allocator_peak = peak + schedule.resident_bytes
+    if allocator and schedule.memory_model == "executor":
+        from lmscli.memmodel import allocator_high_water
+
+        allocator_peak = max(allocator_peak, allocator_high_water(events, schedule.resident_bytes))
     return SimResult(
         peak_bytes=peak + schedule.resident_bytes,
         activation_peak_bytes=peak,
@@ -212,6 +221,7 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
         transfers=tuple((d, tid, s / 1e6, e / 1e6) for d, tid, s, e in records),
         starts=tuple(start),
         ends=tuple(end),
+        allocator_peak_bytes=allocator_peak,
     )
 
 

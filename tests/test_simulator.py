@@ -166,3 +166,23 @@ def test_executor_variable_reads_are_the_variable():
     s = executor("ab", [(0, 4096, [1]), (1, 256, [])], op_types=["ReadVariableOp", "MatMul"], resident=4096)
     r = simulate(s)
     assert r.activation_peak_bytes == 256 and r.peak_bytes == 4096 + 256
+
+
+def test_allocator_high_water_counts_fragmentation():
+    from lmscli.memmodel import allocator_high_water
+
+    # a and b side by side; a is freed; c (larger than a's hole) must go above b: the step needs
+    # a + b + c of address space although at most b + c is live.
+    events = [(0, 0, 1, 0, 1024), (1, 0, 1, 1, 1024), (2, 0, 1, 0, -1024), (3, 0, 1, 2, 1536)]
+    assert allocator_high_water(events) == 1024 + 1024 + 1536
+    # A hole large enough is reused (best fit, lowest address).
+    events = [(0, 0, 1, 0, 2048), (1, 0, 1, 1, 1024), (2, 0, 1, 0, -2048), (3, 0, 1, 2, 1536)]
+    assert allocator_high_water(events, base=100) == 2048 + 1024 + 100
+
+
+def test_simulate_reports_the_allocator_peak_on_request():
+    s = executor("abcd", [(0, 1024, [1, 3]), (1, 1024, [2]), (2, 1536, [3]), (3, 256, [])],
+                 op_types=["Conv2D", "Conv2D", "Conv2D", "AddN"])
+    r = simulate(s, allocator=True)
+    assert r.allocator_peak_bytes >= r.peak_bytes
+    assert simulate(s).allocator_peak_bytes == r.peak_bytes  # not asked: the live peak

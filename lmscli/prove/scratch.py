@@ -23,15 +23,19 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lmscli.errors import LmsError
+from lmscli.prove._server import FIRST_REGION, _preallocate
+
+REGION = 8 << 30  # address space the traced step's allocator gets up front (untouched pages cost nothing)
 
 
 @dataclass(frozen=True)
 class Observation:
     scratch: dict  # node name -> kernel scratch bytes (ops that hold any)
     order: tuple  # node names in the order the executor started them
+    micros: dict = field(default_factory=dict)  # node name -> microseconds it ran on this CPU
 
 
 def measure_scratch(meta_graph, fetches, batch_size: int = 1, timeout_s: float = 300.0) -> dict[str, int]:
@@ -46,7 +50,9 @@ def observe(meta_graph, fetches, batch_size: int = 1, timeout_s: float = 300.0) 
         out = os.path.join(tmp, "scratch.json")
         with open(graph, "wb") as fh:
             fh.write(meta_graph.SerializeToString())
-        env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="3")
+        limit_mib = REGION >> 20
+        env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="3",
+                   TF_CPU_BFC_MEM_LIMIT_IN_MB=str(limit_mib + (FIRST_REGION >> 20)))
         cmd = [sys.executable, "-m", "lmscli.prove.scratch", graph, out, str(batch_size)] + list(fetches)
         try:
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -57,7 +63,8 @@ def observe(meta_graph, fetches, batch_size: int = 1, timeout_s: float = 300.0) 
             raise LmsError(f"measuring kernel scratch failed: {last}")
         with open(out, encoding="utf-8") as fh:
             data = json.load(fh)
-        return Observation({k: int(v) for k, v in data["scratch"].items()}, tuple(data["order"]))
+        return Observation({k: int(v) for k, v in data["scratch"].items()}, tuple(data["order"]),
+                           {k: int(v) for k, v in data["micros"].items()})
 
 
 def _main(argv) -> int:
@@ -67,6 +74,7 @@ def _main(argv) -> int:
     from lmscli.tfimport import tensorflow
 
     tf = tensorflow()
+    held = _preallocate(tf, REGION)  # one region, as on the stand-in: chunks are split to their request  # noqa: F841
     meta = type(tf.compat.v1.MetaGraphDef())()
     with open(graph, "rb") as fh:
         meta.ParseFromString(fh.read())
@@ -81,15 +89,18 @@ def _main(argv) -> int:
         sess.run(g.targets, feed_dict=feed, options=options, run_metadata=step)
     scratch: dict[str, int] = {}
     started = []
+    micros: dict[str, int] = {}
     for dev in step.step_stats.dev_stats:
         for node in dev.node_stats:
             started.append((node.all_start_micros, node.node_name))
+            micros[node.node_name] = max(1, int(node.all_end_rel_micros))
             for mem in node.memory:
                 held = mem.peak_bytes - mem.live_bytes
                 if held > 0:
                     scratch[node.node_name] = max(scratch.get(node.node_name, 0), int(held))
     with open(out, "w", encoding="utf-8") as fh:
-        json.dump({"scratch": scratch, "order": [name for _, name in sorted(started)]}, fh, sort_keys=True)
+        json.dump({"scratch": scratch, "order": [name for _, name in sorted(started)], "micros": micros}, fh,
+                  sort_keys=True)
     return 0
 
 

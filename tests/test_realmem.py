@@ -1,0 +1,136 @@
+"""Memory claims checked by real runs under a hard limit, on the stand-in GPU (lmscli.prove).
+
+The graph of the proof is the generator's residual MLP (``synthetic``) at a batch where
+activations dominate: 247 MiB without swapping on the stand-in, 55 MiB lower bound, no CPU
+convolution scratch (which at small shapes sets the minimum of a conv net: see the notes in
+lmscli/prove/scratch.py). Each out-of-memory probe costs about 10 s (TensorFlow retries a failing
+allocation that long), so the file runs in about three minutes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lmscli import api
+from lmscli.prove.standin import MIB, StandIn
+from tests.conftest import SAMPLES, invoke
+
+
+def _generated(tmp_path_factory, model: str, **shape):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lms_generate", SAMPLES / "generate.py")
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    path = tmp_path_factory.mktemp(model) / f"{model}.meta"
+    path.write_bytes(generate.build(model, **shape).SerializeToString(deterministic=True))
+    return path
+
+
+@pytest.fixture(scope="module")
+def residual(tmp_path_factory):
+    return _generated(tmp_path_factory, "synthetic", nodes=600, batch=4096, width=512)
+
+
+@pytest.fixture(scope="module")
+def stand_in():
+    with StandIn() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def proven(residual, tmp_path_factory):
+    """``lms rewrite --stand-in`` half-way between the lower bound and the peak, then
+    ``lms verify --gpu-mem`` at that size: (limit, rewritten path, verify's JSON, exit code)."""
+    from click.testing import CliRunner
+
+    prepared = api.for_stand_in(api.prepare(api.load(str(residual))))
+    bound = api.analyze(prepared).lower_bound_bytes
+    limit = ((bound + prepared.run_peak_bytes) // 2) // MIB * MIB
+    out = tmp_path_factory.mktemp("proof") / "residual.lms.meta"
+    runner = CliRunner()
+    done = invoke(runner, "rewrite", residual, out, "--gpu-mem", limit, "--reserve", "0", "--stand-in", "-q")
+    assert done.exit_code == 0, done.output
+    checked = invoke(runner, "verify", residual, out, "--gpu-mem", limit, "--json")
+    return limit, out, json.loads(checked.stdout), checked.exit_code
+
+
+@pytest.mark.slow
+def test_original_runs_out_of_memory_and_the_rewrite_trains_bit_identically(proven):
+    limit, _out, doc, code = proven
+    proof = doc["limit"]
+    assert code == 0 and proof["proven"], proof
+    assert not proof["original"]["fits"] and proof["original"]["oom_node"]
+    assert proof["rewritten"]["fits"] and proof["rewritten"]["runs"] == 3 and proof["rewritten"]["failures"] == 0
+    assert proof["identical"] is True and doc["identical"] is True
+    assert proof["line"].startswith(f"original: out of memory at {limit / MIB:.2f} MiB; rewritten: trains at")
+    assert proof["line"].endswith("bit-identical")
+    # The simulator predicted the rewrite under the limit, and the original over it.
+    assert doc["rewritten"]["predicted_standin_bytes"] <= limit < doc["original"]["predicted_standin_bytes"]
+
+
+@pytest.mark.slow
+def test_a_broken_plan_is_caught(proven, residual, tmp_path):
+    """The same rewrite with every swap-in started by its swap-out (the trigger edges dropped): the
+    tensors come straight back, nothing is saved, and verify says so with exit code 5."""
+    from click.testing import CliRunner
+
+    limit, out, _doc, _code = proven
+    meta = api.load(str(out)).meta_graph
+    changed = 0
+    for node in meta.graph_def.node:
+        if node.name.startswith("lms/swapin/"):
+            data = [i for i in node.input if not i.startswith("^")]
+            del node.input[:]
+            node.input.extend(data)
+            changed += 1
+    assert changed
+    path = tmp_path / "broken.meta"
+    path.write_bytes(meta.SerializeToString())
+    done = invoke(CliRunner(), "verify", residual, path, "--gpu-mem", limit, "--runs", "1", "--json")
+    assert done.exit_code == 5, done.output
+    assert not json.loads(done.stdout)["limit"]["rewritten"]["fits"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("graph", ["resnet50", "residual"])
+def test_the_prediction_is_within_ten_percent_of_the_real_need(graph, residual, stand_in):
+    """The stand-in's predicted need P (executor model of the graph TensorFlow runs, in the CPU
+    executor's observed order, with its kernel scratch and the allocator's fragmentation) against
+    the smallest limit M that really runs: 0.97 M <= P <= 1.10 M, checked with two runs: the step
+    fits at P / 0.97 and runs out of memory at P / 1.10."""
+    from lmscli.prove import realmem
+
+    model = api.load(str(SAMPLES / "resnet50.meta") if graph == "resnet50" else str(residual))
+    prediction, _ = realmem.predict(model)
+    p = prediction.predicted_standin_bytes
+    above = -(-int(p / 0.97) // MIB) * MIB
+    below = int(p / 1.10) // MIB * MIB
+    assert stand_in.run(model.meta_graph, model.fetches, above, runs=1).fits, f"needs more than {above:,} (P {p:,})"
+    assert not stand_in.run(model.meta_graph, model.fetches, below, runs=1).fits, f"fits in {below:,} (P {p:,})"
+
+
+def test_no_plan_is_a_json_document_too(runner, samples):
+    done = invoke(runner, "tune", samples / "cnn.meta", "--gpu-mem", "30%", "--json")
+    assert done.exit_code == 3
+    doc = json.loads(done.stdout)
+    assert doc["schema"] == "lms.tune" and doc["fits"] is False and doc["plan"] is None
+    assert set(doc["no_fit"]) == {"reason", "budget_bytes", "lower_bound_bytes", "binding_op"}
+    assert doc["no_fit"]["lower_bound_bytes"] > doc["no_fit"]["budget_bytes"] and doc["no_fit"]["binding_op"]
+    rewritten = invoke(runner, "rewrite", samples / "cnn.meta", "/tmp/never-written.meta", "--gpu-mem", "30%", "--json")
+    assert rewritten.exit_code == 3 and json.loads(rewritten.stdout)["schema"] == "lms.rewrite"
+
+
+@pytest.mark.slow
+def test_measure_finds_the_smallest_limit(runner, samples):
+    done = invoke(runner, "measure", samples / "mlp.meta", "--runs", "1", "--json")
+    assert done.exit_code == 0, done.output
+    doc = json.loads(done.stdout)
+    assert doc["schema"] == "lms.measure" and len(doc["graphs"]) == 1
+    need = doc["graphs"][0]
+    assert need["min_limit_bytes"] % MIB == 0 and need["min_limit_bytes"] >= MIB
+    assert need["predicted_bytes"] > 0 and need["grappler_bytes"] > need["predicted_bytes"]
+    assert [fits for _limit, fits in need["probes"]][-1] is True
+    assert any(limit == need["min_limit_bytes"] - MIB and not fits for limit, fits in need["probes"])
