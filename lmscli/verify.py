@@ -397,7 +397,7 @@ class Verification:
                 "steps": self.steps, "batch_size": self.batch_size, "loss": self.loss,
                 "variables": self.variables, "outputs": self.outputs, "fetches": list(self.fetches),
                 "original": self.original.to_dict(), "rewritten": self.rewritten.to_dict(),
-                "notes": list(self.notes)}
+                "notes": list(self.notes), "limit": None}
 
 
 def _unknown_placeholders(graph_def) -> list[str]:

@@ -45,3 +45,4 @@ def test_exit_code_table():
     assert "usage" in table[str(errors.EXIT_USAGE)]
     assert "no plan fits" in table[str(errors.EXIT_NO_FIT)]
     assert "different results" in table[str(errors.EXIT_DIFFERENT)]
+    assert "ran out of memory" in table[str(errors.EXIT_OUT_OF_MEMORY)]
