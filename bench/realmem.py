@@ -99,7 +99,8 @@ def evaluate(label: str, spec, stand_in, log) -> dict:
     from lmscli.prove.scratch import Observation
 
     prepared = api.for_stand_in(api.prepare(model))
-    observation = Observation(dict(prepared.scratch), prepared.observed_order)
+    observation = Observation(dict(prepared.scratch or {}), prepared.observed_order,
+                              dict(prepared.observed_micros or {}))
     bound = api.analyze(prepared).lower_bound_bytes
     rows = [_measure(stand_in, model, "original", observation, None, {})]
     log(f"{label}: original needs {rows[0].min_limit_bytes:,} (predicted {rows[0].predicted_bytes:,})")

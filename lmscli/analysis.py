@@ -19,6 +19,7 @@ from lmscli.schedule import Schedule, build_schedules, variable_bytes
 from lmscli.simulator import SimResult, simulate
 
 SCHEMA_VERSION = 1
+RUN_JUDGE_MAX_OPS = 8_000  # above this, plans are judged on the graph as written (tool speed)
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,11 @@ class Prepared:
     @functools.cached_property
     def run_peak_bytes(self) -> int | None:
         """The executor model's peak of the graph a Session runs for this step (Grappler's
-        optimizations applied; see :func:`run_peak`); None if unknown."""
+        optimizations applied; see :func:`run_peak`); None if unknown, or for steps of more than
+        :data:`RUN_JUDGE_MAX_OPS` ops (scheduling the optimized graph again costs tens of seconds
+        there; the graph as written is judged instead)."""
+        if len(self.schedule) > RUN_JUDGE_MAX_OPS and not self.observed_order:
+            return None
         return run_peak(self.model, with_graph_def(self.model.meta_graph, self.graph_def), self.optimized,
                         self.scratch, self.observed_order, self.observed_micros)
 
@@ -57,13 +62,13 @@ class Prepared:
         show run as soon as they are ready), with kernel scratch and op times if given."""
         trace = self.trace.observed(order, micros) if self.trace is not None else None
         if trace is None:
-            return self.with_scratch(scratch) if scratch else self
+            return self.with_scratch(scratch or {})
         schedules = build_schedules(self.view, self.model.fetches, trace=trace,
                                     memory_model=self.schedule.memory_model)
         chosen = next((s for s in schedules if s.device == self.schedule.device), schedules[0])
         seen = replace(self, schedule=chosen, schedules=schedules, observed_order=tuple(order),
                        observed_micros=dict(micros or {}))
-        return seen.with_scratch(scratch) if scratch else seen
+        return seen.with_scratch(scratch or {})
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -230,6 +235,8 @@ class Analysis:
     top_live_at_peak: tuple[OpInfo, ...]
     devices: tuple[DeviceFacts, ...] = ()
     device: str = ""  # the GPU the figures above describe (the one needing the most memory)
+    run_peak_bytes: int | None = None  # peak of the graph TensorFlow runs (Grappler-optimized); None: unknown
+    grappler_model_peak_bytes: int | None = None  # the same schedule counted as Grappler's estimate counts it
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -497,4 +504,6 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
         top_live_at_peak=tuple(top),
         devices=tuple(devices),
         device=schedule.device,
+        run_peak_bytes=prepared.run_peak_bytes if schedule.memory_model == "executor" else None,
+        grappler_model_peak_bytes=simulate(schedule.with_memory_model("grappler"), detail=False).peak_bytes,
     )

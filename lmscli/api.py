@@ -239,7 +239,7 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
             else:  # ... or, after that many rounds, just drop them from the plan
                 result = replace(result, plan=optguard.without(result.plan, tensors, ()))
             continue
-        if executor and not manual and len(prepared.schedules) <= 1:
+        if executor and not manual and len(prepared.schedules) <= 1 and prepared.run_peak_bytes is not None:
             # The judge: the executor model on the graph the Session runs (Grappler-optimized).
             peak = (run_peak(prepared, meta, optimized, device.link_bandwidth) if result.plan.swaps
                     else prepared.run_peak_bytes)

@@ -48,7 +48,6 @@ class MeasuredMemory:
     copies: tuple[str, ...] = ()  # swap nodes measured as real copies
     placements: dict = field(default_factory=dict)  # swap node -> device it ran on
     notes: tuple[str, ...] = ()
-    scratch: dict = field(default_factory=dict)  # node -> kernel scratch bytes (CPU temporaries), left out above
 
     @property
     def peak_bytes(self) -> int:
@@ -79,34 +78,6 @@ def _records(step_stats, suffix: str):
                 records.remove(rec)
             events.extend((m, b, node.node_name) for m, b in records)
     return events
-
-
-def scratch_bytes(step_stats, suffix: str = STANDIN_SUFFIX) -> dict[str, int]:
-    """Kernel scratch per node on the device ending in ``suffix``: the largest total of the
-    temporaries it held at once (allocations it freed before it ended, e.g. the im2col buffers of
-    CPU convolution gradients). A GPU's kernels use other workspaces (cuDNN's), so these are a
-    property of the CPU stand-in, reported apart from the tensors."""
-    out: dict[str, int] = {}
-    for dev in step_stats.dev_stats:
-        if not dev.device.endswith(suffix):
-            continue
-        for node in dev.node_stats:
-            records = [(rec.alloc_micros, rec.alloc_bytes) for mem in node.memory for rec in mem.allocation_records]
-            end = node.all_start_micros + node.all_end_rel_micros
-            freed = sorted((m, -b) for m, b in records if b < 0 and m <= end)
-            pairs = []
-            for m, b in sorted(r for r in records if r[1] > 0):
-                match = next((f for f in freed if f[1] == b and f[0] >= m), None)
-                if match is not None:
-                    freed.remove(match)
-                    pairs += [(m, 0, b), (match[0], 1, -b)]
-            live = peak = 0
-            for _m, _phase, b in sorted(pairs):
-                live += b
-                peak = max(peak, live)
-            if peak:
-                out[node.node_name] = max(out.get(node.node_name, 0), peak)
-    return out
 
 
 def _ran_on(step_stats) -> dict:
@@ -264,7 +235,6 @@ def measure_peak(meta_graph, fetches, batch_size: int = 1, order=None, warmup: i
     events = _records(step_meta.step_stats, STANDIN_SUFFIX)
     if not events:
         raise LmsError("TensorFlow recorded no allocations for the step; cannot measure its memory")
-    scratch = scratch_bytes(step_meta.step_stats)
     peak, peak_node, at_peak, curve, _ = live_curve(events)
     host_peak = live_curve(_records(step_meta.step_stats, HOST_SUFFIX))[0]
     ran = _ran_on(step_meta.step_stats)
@@ -275,7 +245,7 @@ def measure_peak(meta_graph, fetches, batch_size: int = 1, order=None, warmup: i
     if misplaced:
         notes.append(f"{len(misplaced)} swap-outs did not run on the host (e.g. {misplaced[0]})")
     return MeasuredMemory(peak, max(resident, 0), peak_node, at_peak, curve, host_peak, placed.copies, placements,
-                          tuple(notes), scratch)
+                          tuple(notes))
 
 
 # Ops whose output TensorFlow hands over as the input's buffer (or the variable's own buffer):

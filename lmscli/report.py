@@ -101,6 +101,11 @@ def render_analysis(console: Console, a, baseline=None) -> None:
     t.add_row("peak memory, no swapping", f"[bold]{format_size(a.peak_bytes)}[/] "
               f"({format_size(a.activation_peak_bytes)} tensors + "
               f"{format_size(a.peak_bytes - a.activation_peak_bytes)} resident)")
+    if a.run_peak_bytes is not None:
+        t.add_row("as TensorFlow runs it", f"{format_size(a.run_peak_bytes)} (after Grappler's optimizations)")
+    if a.grappler_model_peak_bytes is not None:
+        t.add_row("Grappler's accounting", f"{format_size(a.grappler_model_peak_bytes)} (every output a tensor of its "
+                  "own; a static estimate's view)")
     if a.peak_op:
         t.add_row("peak reached at", a.peak_op)
     t.add_row("lower bound with swapping", f"{format_size(a.lower_bound_bytes)} (at {a.lower_bound_op})")
