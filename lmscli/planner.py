@@ -94,12 +94,18 @@ class _Context:
         for node in sched.nodes:
             self.preds.append(sorted({pos_of[s] for s in self.view.predecessors(node) if s in pos_of}))
         self.can_trigger = [edge_safe(self.view, sched, k) for k in range(len(sched))]
+        self._triggers = [k for k, ok in enumerate(self.can_trigger) if ok]
         ids = sorted(self.cands)
         self._cand_ids = np.array(ids, dtype=np.int64)
         self._cand_first = np.array([sched.tensors[t].producer for t in ids], dtype=np.int64)
         self._cand_last = np.array([sched.tensors[t].consumers[-1] for t in ids], dtype=np.int64)
         self._build_lifting()
         self._memo: dict[tuple, int | None] = {}
+
+    def any_trigger(self, latest: int, earliest: int) -> int | None:
+        """The latest position in [earliest, latest] fit to trigger a swap-in, ancestor or not."""
+        k = bisect.bisect_right(self._triggers, latest) - 1
+        return self._triggers[k] if k >= 0 and self._triggers[k] >= earliest else None
 
     def live_candidates(self, p: int) -> list[int]:
         """Candidate tensors produced before ``p`` and read after it."""
@@ -245,6 +251,11 @@ def _gap_swap(ctx: _Context, cand: Candidate, p: int, result: SimResult,
     # Latest trigger whose end leaves the transfer time before v starts (no stall) ...
     latest = min(bisect.bisect_right(ends, starts[v] - transfer) - 1, v - 1)
     trig = ctx.trigger(v, latest, max(earliest, p)) if latest >= max(earliest, p) else None
+    if trig is None and latest >= max(earliest, p):
+        # No ancestor of v runs in that window (a weight update's inputs are all made early): any
+        # op before v in the schedule may start the transfer; its control edge cannot close a
+        # cycle, since the schedule is a topological order.
+        trig = ctx.any_trigger(latest, max(earliest, p))
     if trig is None:
         # ... else the latest trigger that still covers p, accepting a stall.
         trig = ctx.trigger(v, v - 1, max(earliest, p))
