@@ -186,10 +186,12 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
     * the optimizer guard: Grappler's default optimizations must treat the rewritten graph as they
       treat the original (else training is not bit-identical); swaps that change them are
       forbidden and the graph replanned;
-    * with ``--judge grappler`` (a schedule counted by Grappler's memory model), Grappler's memory
-      estimate must fit (per GPU, for graphs placed on several); while it does not, the budget is
-      tightened by the overshoot. Under the executor model (the default) the simulator is the
-      judge and Grappler's estimate is recorded as a second opinion.
+    * the judge: under the executor model (the default) the executor model's peak of the graph
+      TensorFlow runs (the Grappler-optimized rewrite, :func:`run_peak`) must meet the budget; the
+      planning margin moves by the difference (:class:`_RunSearch`) and Grappler's estimate is
+      recorded as a second opinion. With ``--judge grappler`` (a schedule counted by Grappler's
+      memory model), Grappler's estimate must fit (per GPU, for graphs placed on several); while
+      it does not, the budget is tightened by the overshoot.
 
     ``check=False`` skips the estimate, ``guard=False`` the guard. Grappler's figures are stored in
     ``plan.grappler``, with the tensors the guard left alone."""
@@ -215,7 +217,7 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
         return replace(result, log=result.log + (line,))
 
     executor = prepared.schedule.memory_model == "executor"
-    search = _RunSearch(device.budget, margins.get(prepared.schedule.device, 0), forbidden)
+    search = _RunSearch(device.budget, margins.get(prepared.schedule.device, 0))
     while True:
         meta, _ = rewrite(prepared, result.plan, host_device=host_device, force=True)
         optimized = None
@@ -260,8 +262,11 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
                     except NoFitError:
                         if not search.found:
                             raise
-                result = search.best()
+                best = search.best()
                 search.done = True
+                if best is not result:
+                    result = best
+                    meta, _ = rewrite(prepared, result.plan, host_device=host_device, force=True)
         if not check:
             return noted(replace(result, plan=replace(result.plan, grappler={"left_alone": sorted(forbidden)}
                                                       if forbidden else {})))
@@ -310,8 +315,8 @@ class _RunSearch:
     swaps the fewest bytes is kept, and the search stops once a fitting plan is within 2% of the
     budget or after :data:`RUN_ROUNDS` rounds."""
 
-    def __init__(self, budget: int, margin: int, forbidden: set):
-        self.budget, self.margin, self.forbidden = budget, margin, forbidden
+    def __init__(self, budget: int, margin: int):
+        self.budget, self.margin = budget, margin
         self.rounds = 0
         self.found: list = []
         self.last = None

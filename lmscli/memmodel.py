@@ -18,9 +18,12 @@ Two models of one step's memory:
     Every output is a new tensor, live from its producer's start to its last consumer's end, and
     at one instant allocations come before frees: a chain of zero-time ops holds all its tensors.
 
-Measured on this machine with TensorFlow's own allocation records (sample graphs run in the
-schedule's order): the executor model is within 1-7% of the measurement where Grappler's is
-17-130% above it.
+Measured on this machine with TensorFlow's own allocation records (graphs run in the schedule's
+order): the executor model is within 1% of the measurement on ResNet-50, U-Nets, tf_keras
+ResNet-50 and DenseNet-121 and a concat-heavy net, where Grappler's is 10-40% above it.
+
+For the stand-in GPU, :func:`allocator_high_water` also places each allocation as the BFC
+allocator does (fragmentation).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ Two strategies produce the same kind of plan:
     budget, take the worst one; among the tensors live across it whose next use can be brought
     back in time, swap the one that removes the most excess memory (ties: fewer bytes). The
     swap-in trigger is the latest ancestor of the consumer that still leaves the transfer
-    time before the consumer starts, so no stall is planned. The profile is updated in place and
+    time before the consumer starts (else the latest op in that window, ancestor or not), so no
+    stall is planned. The profile is updated in place and
     re-simulated whenever it says the plan fits. A refinement pass then drops every swap the
     plan can do without, largest first, so the plan swaps as few bytes as it can.
 

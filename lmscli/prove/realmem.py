@@ -42,9 +42,9 @@ class Prediction:
 
 def predict(model, batch_size: int | None = None, observation=None) -> tuple[Prediction, object]:
     """Predict one step of ``model`` (a loaded Model) on a GPU and on the stand-in. The stand-in's
-    figure follows what one traced CPU step shows (kernel scratch, the CPU executor's order:
-    :func:`lmscli.prove.scratch.observe`); ``observation`` is measured when not given, and
-    returned to reuse for a rewrite of the same graph (same kernels, same order)."""
+    figure follows what one traced CPU step of that graph shows (kernel scratch, the CPU
+    executor's order and op times: :func:`lmscli.prove.scratch.observe`); returns that
+    observation too."""
     from lmscli import api, grappler, verify
     from lmscli.prove.scratch import observe
     from lmscli.simulator import simulate
@@ -53,8 +53,12 @@ def predict(model, batch_size: int | None = None, observation=None) -> tuple[Pre
     model = api.Model(model.path, model.format, meta, tuple(model.fetches), model.fetch_source, list(model.notes))
     prepared = api.prepare(model, batch_size=batch_size)
     schedule = prepared.schedule
-    if observation is None:
-        observation = observe(api.with_graph_def(meta, prepared.graph_def), model.fetches, batch_size or 1)
+    # Each graph is observed itself: a rewrite's swap nodes and trigger edges change the order the
+    # CPU executor picks. A given observation lends its kernel scratch (the same kernels run).
+    own = observe(api.with_graph_def(meta, prepared.graph_def), model.fetches, batch_size or 1)
+    if observation is not None:
+        own = type(own)({**observation.scratch, **own.scratch}, own.order, own.micros)
+    observation = own
     # The graph TensorFlow runs (Grappler-optimized) when it can be scheduled, else the graph as written.
     on_gpu = prepared.run_peak_bytes or simulate(schedule, detail=False).peak_bytes
     seen = prepared.observed(observation.order, observation.scratch, observation.micros)
