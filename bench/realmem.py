@@ -7,7 +7,7 @@ process whose BFC allocator, the one GPUs use, has a hard limit; swaps go to a s
 * lms's plan at the smallest budget lms accepts (searched upwards from the lower bound in steps of
   10% of it), planned with ``--stand-in`` (the CPU kernels' scratch buffers and the CPU executor's
   order, observed in one traced step);
-* the TFLMS-style plan (``--strategy tflms``) at the same budget.
+* the TFLMS-style plan (``--strategy tflms``) at that budget, or the smallest above it it accepts.
 
 Beside each measured limit: what lms predicts for it (the executor model of the graph TensorFlow
 runs, with the CPU scratch) and Grappler's static estimate (plus variables). The lower bound is
@@ -144,8 +144,10 @@ def markdown(results: list, seconds: float, quick: bool) -> str:
              "model of the graph TensorFlow runs, with the CPU kernels' scratch buffers measured once (a GPU "
              "would need the *GPU* figure, without them). *Grappler* is TensorFlow's static estimate plus "
              "variables. lms's plan is made at the smallest budget it accepts, from the lower bound up in steps "
-             "of 10%; the TFLMS-style plan at the same budget.", "",
-             "| graph | lower bound | graph measured | measured | predicted | predicted vs measured | GPU "
+             "of 10%; the TFLMS-style plan (`--strategy tflms`) at that budget or the smallest above it that it "
+             "accepts. Both are planned with `--stand-in`. *(varies)*: the search saw a limit fit once and fail "
+             "when confirmed (the executor's order differs between runs).", "",
+             "| graph | lower bound | what ran | measured | predicted | predicted vs measured | GPU "
              "figure | Grappler | × lower bound | × original |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for res in results:
