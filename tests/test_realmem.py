@@ -94,16 +94,23 @@ def test_a_broken_plan_is_caught(proven, residual, tmp_path):
     assert not json.loads(done.stdout)["limit"]["rewritten"]["fits"]
 
 
+@pytest.fixture(scope="module")
+def cnn64(tmp_path_factory):
+    return _generated(tmp_path_factory, "cnn", batch=64)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("graph", ["resnet50", "residual"])
-def test_the_prediction_is_within_ten_percent_of_the_real_need(graph, residual, stand_in):
+@pytest.mark.parametrize("graph", ["resnet50", "cnn64"])
+def test_the_prediction_is_within_ten_percent_of_the_real_need(graph, cnn64, stand_in):
     """The stand-in's predicted need P (executor model of the graph TensorFlow runs, in the CPU
     executor's observed order, with its kernel scratch and the allocator's fragmentation) against
     the smallest limit M that really runs: 0.97 M <= P <= 1.10 M, checked with two runs: the step
-    fits at P / 0.97 and runs out of memory at P / 1.10."""
+    fits at P / 0.97 and runs out of memory at P / 1.10. Measured: ResNet-50 P 399.6 MiB, M 403;
+    the CNN at batch 64 (a 27 MiB convolution temporary in a fragmented region sets its need)
+    P 71.8, M 72."""
     from lmscli.prove import realmem
 
-    model = api.load(str(SAMPLES / "resnet50.meta") if graph == "resnet50" else str(residual))
+    model = api.load(str(SAMPLES / "resnet50.meta") if graph == "resnet50" else str(cnn64))
     prediction, _ = realmem.predict(model)
     p = prediction.predicted_standin_bytes
     above = -(-int(p / 0.97) // MIB) * MIB
