@@ -151,11 +151,12 @@ SUM_OPS = frozenset({"AddN", "AccumulateNV2"})
 
 
 def _order_sensitive_sum(view: GraphView, node: int) -> bool:
-    """An AddN of three or more tensors: its kernel writes the sum into the first input whose
-    buffer it may reuse and adds the others from there, so which input is free to reuse (a swap-out
-    still holds its tensor; a swap-in's buffer is its own) changes the order of the sum, and the
-    last bits of the result. Seen on the stand-in GPU, where transfers really copy: a residual
-    net's weight gradient differed by 7e-9. Two inputs commute exactly."""
+    """An AddN of three or more tensors. TensorFlow's AddN kernel accumulates into the first input
+    whose buffer it may reuse and moves that input to the front of the sum, so which input is free
+    to reuse (a swap-out still holds its tensor; a swap-in's buffer is its own) can change the
+    order of the sum, and with it the last bits. Two inputs commute exactly. A precaution taken
+    from the kernel's code, not yet seen to matter in a run (the optimizer guard does not see it:
+    the graph Grappler makes is the same)."""
     return view.ops[node] in SUM_OPS and len(view.data_inputs[node]) >= 3
 
 

@@ -159,8 +159,8 @@ def prove_at_limit(original, rewritten, limit_bytes: int, steps: int = 1, runs: 
                    stand_in=None) -> LimitProof:
     """Run ``original`` and ``rewritten`` (loaded Models) for ``steps`` steps on the stand-in at
     ``limit_bytes``, ``runs`` times each, and both once without a limit: the rewrite must compute
-    bit for bit what the original computes. (Under a tight limit a kernel may take a low-memory
-    path that rounds differently, which a note reports: the graph did not change.)"""
+    bit for bit what the original computes. (Under a tight limit the same graph may compute
+    differently in the last bits, which a note reports.)"""
     from lmscli import verify
     from lmscli.prove.standin import StandIn
 
@@ -194,8 +194,9 @@ def prove_at_limit(original, rewritten, limit_bytes: int, steps: int = 1, runs: 
         squeezed = verify.compare(free.result, rewrite.result)
         if squeezed is not None:
             notes.append(f"at {format_size(limit_bytes)} the rewritten graph's results differ from its own run without a "
-                         f"limit ({squeezed.message}): under memory pressure TensorFlow's CPU kernels fall back to "
-                         "low-memory code paths that sum in another order; the rewrite itself computes bit-identically")
+                         f"limit ({squeezed.message}): the same graph computes differently under the limit, so this "
+                         "comes from running under memory pressure (kernels whose preferred temporaries do not fit "
+                         "take other code paths), not from the rewrite, which computes bit-identically")
     return LimitProof(limit_bytes, at_limit, rewrite, identical, difference, steps, tuple(notes))
 
 
