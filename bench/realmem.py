@@ -60,16 +60,13 @@ class Measured:
     note: str = ""
 
 
-def _measure(stand_in, model, label: str, observation, batch: int | None, extra: dict) -> Measured:
+def _measure(stand_in, model, label: str, observation, extra: dict) -> Measured:
     from lmscli.prove import realmem
 
-    t = time.perf_counter()
-    prediction, _ = realmem.predict(model, batch, observation)
-    found = stand_in.find_min(realmem._runnable(model), tuple(model.fetches),
-                              hint_bytes=prediction.predicted_standin_bytes, batch_size=batch or 1, runs=3)
-    return Measured(label, found.limit_bytes, prediction.predicted_standin_bytes, prediction.predicted_bytes,
-                    prediction.grappler_bytes, probes=len(found.probes), varies=found.varies,
-                    seconds=time.perf_counter() - t, **extra)
+    need, = realmem.measure_need([model], runs=3, stand_in=stand_in, observation=observation)
+    p = need.prediction
+    return Measured(label, need.min_limit_bytes, p.predicted_standin_bytes, p.predicted_bytes, p.grappler_bytes,
+                    probes=len(need.probes), varies=need.varies, seconds=need.seconds, **extra)
 
 
 def _smallest_plan(prepared, bound: int, strategy: str, budget_from: int | None = None):
@@ -102,7 +99,7 @@ def evaluate(label: str, spec, stand_in, log) -> dict:
     observation = Observation(dict(prepared.scratch or {}), prepared.observed_order,
                               dict(prepared.observed_micros or {}))
     bound = api.analyze(prepared).lower_bound_bytes
-    rows = [_measure(stand_in, model, "original", observation, None, {})]
+    rows = [_measure(stand_in, model, "original", observation, {})]
     log(f"{label}: original needs {rows[0].min_limit_bytes:,} (predicted {rows[0].predicted_bytes:,})")
     budget, lms_result = _smallest_plan(prepared, bound, "lms")
     plans = [("lms", lms_result)]
@@ -117,7 +114,7 @@ def evaluate(label: str, spec, stand_in, log) -> dict:
             path = os.path.join(tmp, f"{what.split()[-1]}.meta")
             api.save(model, api.rewrite(prepared, result.plan)[0], path)
             rewritten = api.load(path, fetch=list(model.fetches))
-            row = _measure(stand_in, rewritten, what, observation, None,
+            row = _measure(stand_in, rewritten, what, observation,
                            {"swapped_bytes": result.plan.swap_out_bytes,
                             "budget_bytes": result.plan.predicted["budget_bytes"]})
             rows.append(row)

@@ -141,6 +141,13 @@ def run_peak(model: Model, meta_graph, optimized, scratch: dict | None = None, o
     order they allow change the step's memory: on an attention model it fell by a third); for the
     stand-in (``order`` or ``scratch`` observed on it) with the BFC allocator's fragmentation. The
     largest over the step's GPUs, resident bytes included; None when it cannot be scheduled."""
+    seen = run_graph(model, meta_graph, optimized)
+    return None if seen is None else run_peak_of(seen, scratch, order, micros, link_bandwidth)
+
+
+def run_graph(model: Model, meta_graph, optimized) -> Prepared | None:
+    """``optimized`` (the graph a Session runs for ``meta_graph``) prepared for the simulator;
+    None when there is none or it cannot be scheduled."""
     from lmscli.errors import LmsError
 
     if optimized is None:
@@ -148,9 +155,14 @@ def run_peak(model: Model, meta_graph, optimized, scratch: dict | None = None, o
     graph = Model(model.path, model.format, with_graph_def(meta_graph, optimized), tuple(model.fetches),
                   model.fetch_source, [])
     try:
-        seen = prepare(graph, optimize=False)
+        return prepare(graph, optimize=False)
     except LmsError:
         return None
+
+
+def run_peak_of(seen: Prepared, scratch: dict | None = None, order=(), micros: dict | None = None,
+                link_bandwidth: float = float("inf")) -> int:
+    """:func:`run_peak` of a graph :func:`run_graph` prepared."""
     if order:
         seen = seen.observed(order, micros=micros)
     if scratch:
@@ -505,5 +517,6 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
         devices=tuple(devices),
         device=schedule.device,
         run_peak_bytes=prepared.run_peak_bytes if schedule.memory_model == "executor" else None,
-        grappler_model_peak_bytes=simulate(schedule.with_memory_model("grappler"), detail=False).peak_bytes,
+        grappler_model_peak_bytes=(result.peak_bytes if schedule.memory_model == "grappler" else
+                                   simulate(schedule.with_memory_model("grappler"), detail=False).peak_bytes),
     )

@@ -196,7 +196,7 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
 
     compute_us = sum(schedule.compute)
     allocator_peak = peak + schedule.resident_bytes
-    if allocator and schedule.memory_model == "executor":
+    if allocator and executor:
         from lmscli.memmodel import allocator_high_water
 
         allocator_peak = max(allocator_peak, allocator_high_water(events, schedule.resident_bytes))
@@ -229,7 +229,6 @@ def _grappler_events(schedule, swap_of, start, end, out_start, out_end, in_start
     """Memory events of Grappler's accounting: every output a tensor of its own, live from its
     producer's start to its last consumer's end; at one instant allocations come first."""
     events = []
-    host_events = []
     for t in schedule.tensors:
         p = t.producer
         swap = swap_of.get(t.id)
@@ -240,14 +239,22 @@ def _grappler_events(schedule, swap_of, start, end, out_start, out_end, in_start
             continue
         free_at = max([out_end[t.id]] + [end[c] for c in swap.near])
         events.append((free_at, 1, 1, t.id, -t.num_bytes))
-        host_events.append((out_start[t.id], 0, t.num_bytes))
-        host_free = out_end[t.id]
         for g, group in enumerate(swap.groups):
             events.append((in_start[(t.id, g)], 0, 0, t.id, t.num_bytes))
             events.append((end[group.consumers[-1]], 1, 0, t.id, -t.num_bytes))
-            host_free = max(host_free, in_end[(t.id, g)])
-        host_events.append((host_free, 1, -t.num_bytes))
-    return events, host_events
+    return events, _host_events(schedule.tensors, swap_of, out_start, out_end, in_end)
+
+
+def _host_events(tensors, swap_of, out_start, out_end, in_end):
+    """Host memory of the swapped tensors (both models): held from the swap-out's start until the
+    swap-out and every swap-in of it are done."""
+    host_events = []
+    for tid in sorted(swap_of):
+        size = tensors[tid].num_bytes
+        host_events.append((out_start[tid], 0, size))
+        done = [out_end[tid]] + [in_end[(tid, g)] for g in range(len(swap_of[tid].groups))]
+        host_events.append((max(done), 1, -size))
+    return host_events
 
 
 def _executor_events(schedule, swap_of, start, end, out_start, out_end, in_start, in_end):
@@ -297,20 +304,13 @@ def _executor_events(schedule, swap_of, start, end, out_start, out_end, in_start
         buffer_of[t.id] = key
         free[key] = max(free.get(key, (0, 0)), use_end(t))
     events = []
-    host_events = []
     for tid in sorted(swap_of):
-        t = tensors[tid]
-        swap = swap_of[tid]
-        host_events.append((out_start[tid], 0, t.num_bytes))
-        host_free = out_end[tid]
-        for g, group in enumerate(swap.groups):
+        for g, group in enumerate(swap_of[tid].groups):
             key = ("in", tid, g)
             at = in_start[(tid, g)]
-            alloc[key] = (at, 4 * running(at), rounded(t.num_bytes))
+            alloc[key] = (at, 4 * running(at), rounded(tensors[tid].num_bytes))
             last = group.consumers[-1]
             free[key] = max(free.get(key, (0, 0)), (end[last], 4 * last + 2))
-            host_free = max(host_free, in_end[(tid, g)])
-        host_events.append((host_free, 1, -t.num_bytes))
     for key, (time, order, size) in alloc.items():
         kind = 1 if key[0] == "t" else 0
         tid = key[1]
@@ -321,7 +321,7 @@ def _executor_events(schedule, swap_of, start, end, out_start, out_end, in_start
         if size > 0:
             events.append((start[k], 4 * k, 2, k, size))
             events.append((end[k], 4 * k + 1, 2, k, -size))
-    return events, host_events
+    return events, _host_events(tensors, swap_of, out_start, out_end, in_end)
 
 
 def _by_order(n: int, events) -> tuple[int, ...]:

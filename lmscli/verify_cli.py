@@ -91,16 +91,11 @@ def _render_limit(console, proof, predictions) -> None:
         console.print(f"[dim]note: {note}[/]")
 
 
-def _limit(text: str, original) -> int:
+def _limit(text: str, predicted_bytes: int) -> int:
     """``--gpu-mem``: a size, or N% of the original's predicted need."""
     from lmscli.device import gpu_mem_from_text
 
-    peak = None
-    if text.strip().endswith("%"):
-        from lmscli.prove.realmem import predict
-
-        peak = predict(original)[0].predicted_bytes
-    return gpu_mem_from_text(text, peak)
+    return gpu_mem_from_text(text, predicted_bytes if text.strip().endswith("%") else None)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -162,9 +157,9 @@ def _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, o
     from lmscli import verify as verifier
     from lmscli.prove import realmem
 
-    limit = _limit(gpu_mem, model_a)
     prediction_a, observation = realmem.predict(model_a, batch_size)
     prediction_b, _ = realmem.predict(model_b, batch_size, observation)
+    limit = _limit(gpu_mem, prediction_a.predicted_bytes)
     proof = realmem.prove_at_limit(model_a, model_b, limit, steps=steps, runs=runs, batch_size=batch_size,
                                    loss=loss, optimize=optimize)
     if as_json:

@@ -46,6 +46,7 @@ def predict(model, batch_size: int | None = None, observation=None) -> tuple[Pre
     executor's order and op times: :func:`lmscli.prove.scratch.observe`); returns that
     observation too."""
     from lmscli import api, grappler, verify
+    from lmscli.analysis import RUN_JUDGE_MAX_OPS, run_graph, run_peak_of
     from lmscli.prove.scratch import observe
     from lmscli.simulator import simulate
 
@@ -59,10 +60,16 @@ def predict(model, batch_size: int | None = None, observation=None) -> tuple[Pre
     if observation is not None:
         own = type(own)({**observation.scratch, **own.scratch}, own.order, own.micros)
     observation = own
-    # The graph TensorFlow runs (Grappler-optimized) when it can be scheduled, else the graph as written.
-    on_gpu = prepared.run_peak_bytes or simulate(schedule, detail=False).peak_bytes
-    seen = prepared.observed(observation.order, observation.scratch, observation.micros)
-    standin = seen.run_peak_bytes or simulate(seen.schedule, detail=False).peak_bytes
+    # The graph TensorFlow runs (Grappler-optimized) when it can be scheduled, else the graph as
+    # written; it is prepared once for both figures.
+    run = run_graph(model, api.with_graph_def(meta, prepared.graph_def), prepared.optimized)
+    on_gpu = (run_peak_of(run) if run is not None and len(schedule) <= RUN_JUDGE_MAX_OPS
+              else simulate(schedule, detail=False).peak_bytes)
+    if run is not None:
+        standin = run_peak_of(run, observation.scratch, observation.order, observation.micros)
+    else:
+        seen = prepared.observed(observation.order, observation.scratch, observation.micros)
+        standin = simulate(seen.schedule, detail=False).peak_bytes
     try:
         estimate = grappler.estimate_peak(api.with_graph_def(meta, prepared.graph_def), model.fetches)
         grappler_bytes = estimate.gpu_peaks.get(schedule.device, estimate.gpu_peak_bytes) + schedule.variable_bytes
@@ -93,14 +100,13 @@ class Need:
 
 
 def measure_need(models, batch_size: int | None = None, runs: int = 3, optimize: bool = True,
-                 stand_in=None) -> tuple[Need, ...]:
+                 stand_in=None, observation=None) -> tuple[Need, ...]:
     """The smallest limit (to 1 MiB) under which one step of each of ``models`` runs, each found by
-    bisection around the simulator's prediction and confirmed ``runs`` times. The first model's
-    kernel scratch is reused for the others (a rewrite runs the same kernels)."""
+    bisection around the simulator's prediction and confirmed ``runs`` times. Each model's kernel
+    scratch is lent to the next (a rewrite runs the same kernels), starting from ``observation``."""
     from lmscli.prove.standin import StandIn
 
     out = []
-    observation = None
     owned = stand_in is None
     stand_in = stand_in or StandIn(optimize=optimize)
     try:

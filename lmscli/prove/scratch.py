@@ -38,11 +38,6 @@ class Observation:
     micros: dict = field(default_factory=dict)  # node name -> microseconds it ran on this CPU
 
 
-def measure_scratch(meta_graph, fetches, batch_size: int = 1, timeout_s: float = 300.0) -> dict[str, int]:
-    """``{node name: scratch bytes}`` for the ops of one training step that hold any."""
-    return observe(meta_graph, fetches, batch_size, timeout_s).scratch
-
-
 def observe(meta_graph, fetches, batch_size: int = 1, timeout_s: float = 300.0) -> Observation:
     """One traced training step on the CPU with the stand-in's allocator: scratch and order."""
     with tempfile.TemporaryDirectory(prefix="lms-scratch-") as tmp:
