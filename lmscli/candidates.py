@@ -86,6 +86,22 @@ def fused_edge(producer_op: str, consumer_op: str) -> bool:
     return any(producer_op in src and consumer_op in dst for src, dst in FUSED_EDGES)
 
 
+def absorbed(view: GraphView, node: int, fused: frozenset) -> bool:
+    """Is ``node`` an activation that Grappler's remapper folds into its producer's kernel?
+
+    Before::  conv -> FusedBatchNormV3 -> Relu -> {Pad, ReluGrad}
+    After::   conv -> _FusedBatchNormEx (the batch norm's name) -> {Pad, ReluGrad}
+
+    The fused kernel's output is the activation's tensor under its producer's name, and the
+    remapper looks only at the edge into the activation, so a swap-out reading the activation's
+    output leaves the fusion as it is (the optimizer guard checks each plan all the same)."""
+    inputs = view.data_inputs[node]
+    if view.ops[node] not in _ACTIVATIONS or len(inputs) != 1:
+        return False
+    src = inputs[0][0]
+    return view.names[src] not in fused and fused_edge(view.ops[src], view.ops[node])
+
+
 def _in_scope(name: str, scope: str) -> bool:
     scope = scope.rstrip("/")
     return name == scope or name.startswith(scope + "/")
@@ -109,9 +125,10 @@ class Candidate:
 def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters(),
                fused: frozenset = frozenset(), forbidden: frozenset = frozenset()) -> dict[int, Candidate]:
     """Candidate tensors of ``schedule`` keyed by tensor id (see the module docstring). Nodes in
-    ``fused`` (removed by Grappler's optimizations) neither produce swapped tensors nor read
-    swap-ins; tensors named in ``forbidden`` (``"node:output"``, e.g. found by the optimizer
-    guard) are never swapped."""
+    ``fused`` (removed by Grappler's optimizations) neither produce swapped tensors (except an
+    activation folded into its producer's kernel, see :func:`absorbed`) nor read swap-ins;
+    tensors named in ``forbidden`` (``"node:output"``, e.g. found by the optimizer guard) are
+    never swapped."""
     out: dict[int, Candidate] = {}
     no_gain = _no_gain(schedule)
     for t in schedule.tensors:
@@ -120,7 +137,9 @@ def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters()
         p = t.producer
         node = schedule.nodes[p]
         op = view.ops[node]
-        if not schedule.on_gpu[p] or op in NEVER_SWAP_PRODUCERS or view.in_loop(node) or view.names[node] in fused:
+        if not schedule.on_gpu[p] or op in NEVER_SWAP_PRODUCERS or view.in_loop(node):
+            continue
+        if view.names[node] in fused and not absorbed(view, node, fused):
             continue
         if forbidden and f"{view.names[node]}:{t.output}" in forbidden:
             continue

@@ -216,3 +216,25 @@ def test_triggers_are_fit_ancestors_in_range(samples):
                     seen.add(q)
                     stack.append(q)
         assert found in seen
+
+
+def test_activations_fused_into_their_producer_stay_swappable():
+    """oneDNN's Grappler folds a Relu into the batch norm before it (``_FusedBatchNormEx`` under the
+    batch norm's name): the Relu's output is then the fused kernel's, and still worth swapping (on a
+    tf_keras DenseNet-121 those outputs are most of the activations). Other fused-away nodes are not."""
+    from lmscli.candidates import absorbed
+    from lmscli.graphview import GraphView
+    from tests.conftest import graph_def_from_nodes
+
+    f32 = {"type": 1}
+    view = GraphView(graph_def_from_nodes([
+        ("x", "Placeholder", [], {"dtype": f32}),
+        ("bn", "FusedBatchNormV3", ["x", "x", "x", "x", "x"], {"T": f32}),
+        ("relu", "Relu", ["bn"], {"T": f32}),
+        ("add", "AddV2", ["relu", "x"], {"T": f32}),
+        ("relu2", "Relu", ["add"], {"T": f32}),
+    ]))
+    fused = frozenset({"relu", "relu2"})
+    assert absorbed(view, view.index["relu"], fused)
+    assert not absorbed(view, view.index["relu2"], fused)  # AddV2 -> Relu is not a fusion lms knows
+    assert not absorbed(view, view.index["relu"], fused | {"bn"})  # its producer went too
