@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: install test demo samples lint bench bench-quick bench-real clean
+.PHONY: install test demo samples lint bench bench-quick bench-real bench-speed clean
 
 install: $(STAMP)
 
@@ -33,6 +33,13 @@ lint: install
 
 bench: install
 	$(BIN)/python bench/run.py
+	$(MAKE) bench-speed
+
+# tf-keras only for the benchmark's tf_keras graphs, and with --no-deps: its metadata asks for the
+# full tensorflow wheel, which would replace tensorflow-cpu.
+bench-speed: install
+	$(BIN)/python -m pip install --quiet --no-deps tf-keras==2.21.0
+	$(BIN)/python bench/phases.py
 
 bench-quick: install
 	$(BIN)/python bench/run.py --quick

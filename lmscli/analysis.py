@@ -17,6 +17,7 @@ from lmscli.graphview import VARIABLE_OPS, GraphView
 from lmscli.loader import Model
 from lmscli.schedule import Schedule, build_schedules, variable_bytes
 from lmscli.simulator import SimResult, simulate
+from lmscli.timing import timed
 
 SCHEMA_VERSION = 1
 RUN_JUDGE_MAX_OPS = 8_000  # above this, plans are judged on the graph as written (tool speed)
@@ -82,6 +83,7 @@ class Prepared:
         raise InputError(f"the step runs no op on {device!r} (devices: {', '.join(self.devices)})")
 
 
+@timed("prepare")
 def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grappler",
             flops: float = 15.7e12, mem_bandwidth: float = 900e9, judge: str = "executor",
             optimize: bool = True) -> Prepared:
@@ -104,36 +106,43 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
     changed: list[str] = []
     if batch_size is not None:
         graph_def, changed = shapes.set_batch_size(graph_def, batch_size)
-    tensors = shapes.infer(graph_def)
-    if not changed and model.structure is not None and model.structure.size == len(graph_def.node):
-        view = model.structure.with_tensors(tensors)
-    else:
-        view = GraphView(graph_def, tensors)
-    for name in model.fetches:
-        if name not in view.index:
-            raise InputError(f"fetch {name!r} is not a node of the graph")
     from lmscli import grappler
 
     meta = with_graph_def(model.meta_graph, graph_def) if changed else model.meta_graph
-    trace = None
-    if cost_model == "grappler":
-        from lmscli.errors import LmsError
+    pending = grappler.optimize_in_parallel(meta, model.fetches) if optimize else None
+    try:
+        tensors = shapes.infer(graph_def)
+        if not changed and model.structure is not None and model.structure.size == len(graph_def.node):
+            view = model.structure.with_tensors(tensors)
+        else:
+            view = GraphView(graph_def, tensors)
+        for name in model.fetches:
+            if name not in view.index:
+                raise InputError(f"fetch {name!r} is not a node of the graph")
+        trace = None
+        if cost_model == "grappler":
+            from lmscli.errors import LmsError
 
-        try:
-            trace = grappler.trace(meta, model.fetches)
-        except LmsError as exc:
-            model.notes.append(f"{exc}; ordering ops with the roofline cost model instead")
-    schedules = build_schedules(view, model.fetches, flops=flops, mem_bandwidth=mem_bandwidth, trace=trace,
-                                memory_model=judge)
-    schedule = schedules[0]
-    if len(schedules) > 1:  # the GPU that needs the most memory speaks for the graph
-        schedule = max(schedules, key=lambda s: simulate(s, detail=False).peak_bytes)
-    optimized = grappler.optimize(meta, model.fetches) if optimize else None
+            try:
+                trace = grappler.trace(meta, model.fetches)
+            except LmsError as exc:
+                model.notes.append(f"{exc}; ordering ops with the roofline cost model instead")
+        schedules = build_schedules(view, model.fetches, flops=flops, mem_bandwidth=mem_bandwidth, trace=trace,
+                                    memory_model=judge)
+        schedule = schedules[0]
+        if len(schedules) > 1:  # the GPU that needs the most memory speaks for the graph
+            schedule = max(schedules, key=lambda s: simulate(s, detail=False).peak_bytes)
+    except BaseException:
+        if pending is not None:
+            pending.cancel()
+        raise
+    optimized = pending() if pending is not None else None
     fused = grappler.fused_away(meta.graph_def, optimized)
     return Prepared(model, graph_def, view, schedule, batch_size, tuple(changed), fused, schedules, optimized,
                     trace=trace)
 
 
+@timed("judge")
 def run_peak(model: Model, meta_graph, optimized, scratch: dict | None = None, order=(),
              micros: dict | None = None, link_bandwidth: float = float("inf")) -> int | None:
     """The executor model's peak of the graph a Session really runs: ``optimized``, what
@@ -445,6 +454,7 @@ def _call_notes(view: GraphView, active) -> tuple[str, ...]:
             "mostly inside a function is underestimated",)
 
 
+@timed("analyze")
 def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filters = Filters()) -> Analysis:
     model, view, schedule = prepared.model, prepared.view, prepared.schedule
     active = schedule.nodes

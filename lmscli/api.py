@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
+from lmscli import timing
 from lmscli.analysis import Analysis, Prepared, analyze, prepare, with_graph_def
 from lmscli.candidates import Filters
 from lmscli.device import Device, make_device
@@ -22,6 +23,8 @@ from lmscli.loader import Model, atomic_write, load, serialize
 from lmscli.plan import Plan, graph_fingerprint
 from lmscli.planner import TFLMS_SEARCH_MAX_OPS, TflmsParams, TuneOptions, TuneResult, serialization_chains
 from lmscli.rewriter import DEFAULT_HOST_DEVICE, RewriteReport
+from lmscli.timing import timed
+from lmscli.units import format_size
 
 __all__ = [
     "Analysis", "Device", "Filters", "Model", "Plan", "Prepared", "RewriteReport", "TflmsParams", "TuneOptions",
@@ -131,6 +134,8 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
     except NoFitError as exc:
         if not check or options.tflms is not None or prepared.schedule.memory_model != "grappler":
             raise
+        if timing.out_of_time():
+            raise
         if exc.bound_bytes is not None and device.budget < FALLBACK_SHARE * exc.bound_bytes:
             raise  # reordering has won 8-13% below the bound on the graphs tried, never this much
         if len(prepared.schedule) > TFLMS_SEARCH_MAX_OPS:
@@ -141,6 +146,7 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
         return fallback
 
 
+@timed("reordering fallback")
 def reordering_fallback(prepared: Prepared, device: Device, options: TuneOptions, host_device: str = DEFAULT_HOST_DEVICE,
                         guard: bool = True) -> TuneResult | None:
     """TFLMS's parameter sets judged by Grappler's estimate of the rewritten graph, for budgets the
@@ -179,6 +185,7 @@ def reordering_fallback(prepared: Prepared, device: Device, options: TuneOptions
     return replace(best, log=best.log + (line,), judge="grappler")
 
 
+@timed("tune")
 def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(), check: bool = True,
                  host_device: str = DEFAULT_HOST_DEVICE, guard: bool = True) -> TuneResult:
     """Plan with the simulator, then check the plan twice, replanning until both agree:
@@ -218,7 +225,10 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
 
     executor = prepared.schedule.memory_model == "executor"
     search = _RunSearch(device.budget, margins.get(prepared.schedule.device, 0))
+    rounds = 0
     while True:
+        rounds += 1
+        timing.step(f"round {rounds}: checking a plan of {len(result.plan.swaps)} swap(s)")
         meta, _ = rewrite(prepared, result.plan, host_device=host_device, force=True)
         optimized = None
         if guard or (executor and result.plan.swaps):
@@ -229,7 +239,12 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
         if tensors:
             forbidden.update(tensors)
             guard_rounds += 1
+            if search.found and timing.out_of_time():  # a judged, guarded plan is at hand: settle for it
+                result = _time_limited(search.best(), rounds)
+                search.done = True
+                continue
             if guard_rounds <= GUARD_ROUNDS:  # plan again without them ...
+                timing.step(f"round {rounds}: {len(tensors)} swap(s) change Grappler's optimizations; replanning")
                 options = replace(options, forbidden=frozenset(forbidden))
                 try:
                     result = plan_tune(prepared, device, options, margin=dict(margins))
@@ -238,9 +253,10 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
                         raise
                     result = search.best()  # judged and guarded already: settle for it
                     search.done = True
+                continue
             else:  # ... or, after that many rounds, just drop them from the plan
                 result = replace(result, plan=optguard.without(result.plan, tensors, ()))
-            continue
+                continue
         if executor and not manual and len(prepared.schedules) <= 1 and prepared.run_peak_bytes is not None:
             # The judge: the executor model on the graph the Session runs (Grappler-optimized).
             peak = (run_peak(prepared, meta, optimized, device.link_bandwidth) if result.plan.swaps
@@ -254,6 +270,11 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
                 result = replace(result, plan=replace(result.plan, predicted=dict(result.plan.predicted,
                                                                                    run_peak_bytes=peak)))
                 step = search.judged(result, peak)
+                timing.step(f"round {rounds}: the graph TensorFlow runs needs {format_size(peak)} "
+                            f"(budget {format_size(device.budget)})")
+                if step is not None and search.found and timing.out_of_time():
+                    step = None  # refining further would pass --time-limit
+                    search.timed_out = True
                 if step is not None:
                     margins[prepared.schedule.device] = step
                     try:
@@ -264,6 +285,8 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
                             raise
                 best = search.best()
                 search.done = True
+                if search.timed_out:
+                    best = _time_limited(best, rounds)
                 if best is not result:
                     result = best
                     meta, _ = rewrite(prepared, result.plan, host_device=host_device, force=True)
@@ -278,7 +301,7 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
         result = replace(result, plan=replace(result.plan, grappler=figures))
         if figures["fits"] or manual or prepared.schedule.memory_model != "grappler":
             return noted(result)  # under the executor model, Grappler's estimate is a second opinion
-        if estimate_rounds >= GRAPPLER_ROUNDS:
+        if estimate_rounds >= GRAPPLER_ROUNDS or timing.out_of_time():
             break
         per_device = figures.get("per_device") or {prepared.schedule.device: figures}
         for name, f in per_device.items():
@@ -288,6 +311,12 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
     raise NoFitError(f"the simulator found plans, but Grappler's estimate stayed over the budget after "
                      f"{GRAPPLER_ROUNDS} rounds (last {figures['peak_bytes']:,} bytes > {device.budget:,}); "
                      "try a slightly larger --gpu-mem", budget_bytes=device.budget)
+
+
+def _time_limited(result: TuneResult, rounds: int) -> TuneResult:
+    line = (f"[LMS] stopped at --time-limit after {rounds} round(s): the best fitting plan found by then "
+            "(more time may find one that swaps less)")
+    return replace(result, time_limited=True, log=result.log + (line,))
 
 
 def _run_margin(prepared: Prepared, device: Device, options: TuneOptions) -> int:
@@ -321,6 +350,7 @@ class _RunSearch:
         self.found: list = []
         self.last = None
         self.done = False  # settled on the best plan found
+        self.timed_out = False  # settled because --time-limit passed
 
     def judged(self, result, peak: int) -> int | None:
         """Record a judged plan; the next margin to plan with, or None to stop."""
@@ -352,6 +382,7 @@ class _RunSearch:
 RUN_ROUNDS = 5
 
 
+@timed("largest batch search")
 def find_max_batch(model: Model, device: Device, options: TuneOptions = TuneOptions(), limit: int = 1 << 16,
                    cost_model: str = "grappler", judge: str = "executor"):
     """The largest batch size for which a plan fits ``device`` (exponential then binary search).
@@ -371,7 +402,12 @@ def find_max_batch(model: Model, device: Device, options: TuneOptions = TuneOpti
     best = (1,) + first
     lo, hi = 1, None
     batch = 2
+    stopped = False
     while hi is None and batch <= limit:
+        if timing.out_of_time():
+            stopped = True
+            break
+        timing.step(f"batch size {batch}")
         got = attempt(batch)
         if got is None:
             hi = batch
@@ -380,17 +416,28 @@ def find_max_batch(model: Model, device: Device, options: TuneOptions = TuneOpti
             batch *= 2
     if hi is None:
         hi = limit + 1
-    while hi - lo > 1:
+    while hi - lo > 1 and not stopped:
+        if timing.out_of_time():
+            stopped = True
+            break
         mid = (lo + hi) // 2
+        timing.step(f"batch size {mid}")
         got = attempt(mid)
         if got is None:
             hi = mid
         else:
             best, lo = (mid,) + got, mid
     batch, _result, prepared = best
-    return batch, tune(prepared, device, options, check=True), prepared
+    result = tune(prepared, device, options, check=True)
+    if stopped:
+        untried = (f"{hi} does not fit, sizes between were not tried" if hi is not None
+                   else "larger sizes were not tried")
+        line = f"[LMS] stopped the batch-size search at --time-limit: {batch} fits ({untried})"
+        result = replace(result, time_limited=True, log=result.log + (line,))
+    return batch, result, prepared
 
 
+@timed("write")
 def save(model: Model, meta_graph, path: str) -> str:
     """Write ``meta_graph`` to ``path`` in the input's format, atomically; never over the input."""
     if os.path.exists(path) and os.path.exists(model.path) and os.path.samefile(path, model.path):

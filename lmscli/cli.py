@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 import traceback
 from functools import wraps
 
@@ -123,11 +124,43 @@ def output_options(func):
     @click.option("-v", "--verbose", is_flag=True, help="Also print [LMS] log lines on stderr.")
     @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors (and --json output).")
     @click.option("--no-color", is_flag=True, help="Plain output without colours.")
+    @click.option("--profile", is_flag=True, help="When done, print on stderr where the time went, phase by phase.")
+    @click.option("--profile-out", type=click.Path(dir_okay=False), metavar="FILE.json",
+                  help="When done, write where the time went as JSON (schema lms.profile).")
     @wraps(func)
-    def wrapper(*args, **kwargs):
-        return func(*args, **kwargs)
+    def wrapper(*args, profile=False, profile_out=None, **kwargs):
+        from lmscli.timing import Clock
+
+        limit = kwargs.pop("time_limit", None)
+        clock = Clock(deadline=None if limit is None else time.monotonic() + limit)
+        try:
+            with clock:
+                return func(*args, **kwargs)
+        finally:
+            if profile:
+                _print_profile(clock, kwargs.get("no_color", False))
+            if profile_out:
+                from lmscli.loader import atomic_write
+
+                doc = {"schema": "lms.profile", "version": 1, "command": click.get_current_context().info_name,
+                       **clock.to_dict()}
+                atomic_write(profile_out, (json.dumps(doc, indent=2) + "\n").encode("utf-8"))
 
     return wrapper
+
+
+def _print_profile(clock, no_color: bool) -> None:
+    """--profile: each phase's calls and seconds, nested as they ran (inner phases are part of the
+    outer ones' time), and the whole command's wall time."""
+    from rich.table import Table
+
+    table = Table(title=f"time by phase ({clock.elapsed():.2f} s since the command started)", title_justify="left")
+    table.add_column("phase")
+    table.add_column("calls", justify="right")
+    table.add_column("seconds", justify="right")
+    for total in clock.table():
+        table.add_row("  " * total.depth + total.name, str(total.calls), f"{total.seconds:.2f}")
+    _console(no_color, stderr=True).print(table)
 
 
 def device_options(func):
@@ -172,6 +205,9 @@ def plan_options(func):
                        "buffers this machine's CPU kernels take and follow the CPU executor's op order, both observed "
                        "in one traced step.")
     @click.option("--no-grappler-check", is_flag=True, help="Skip Grappler's estimate of the plan (its second opinion).")
+    @click.option("--time-limit", type=click.FloatRange(min=0.0, min_open=True), metavar="SECONDS",
+                  help="Stop refining after SECONDS (counted from the start) and return the best fitting plan "
+                       "found by then; say so. Exit 3 if none fits by then.")
     @wraps(func)
     def wrapper(*args, **kwargs):
         return func(*args, **kwargs)
@@ -356,7 +392,7 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
     if plan_out:
         api.atomic_write(plan_out, result.plan.to_json().encode("utf-8"))
     doc = {"schema": "lms.tune", "version": 1, "fits": result.fits, "necessary": result.necessary,
-           "max_batch_size": batch, "plan": result.plan.to_dict(), **details}
+           "time_limited": result.time_limited, "max_batch_size": batch, "plan": result.plan.to_dict(), **details}
     with progress.phase("drawing", active=bool(plot or report_file)):
         if plot:
             from lmscli import plots
@@ -461,8 +497,8 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
            "format": written, "dry_run": dry_run, "summary": rep.summary(),
            "swap_outs": rep.swap_outs, "swap_ins": rep.swap_ins, "swap_out_bytes": rep.swap_out_bytes,
            "swap_in_bytes": rep.swap_in_bytes, "control_edges": rep.control_edges,
-           "added_nodes": list(rep.added_nodes), "tensorboard_event_file": event_file, "plan": plan.to_dict(),
-           **details}
+           "added_nodes": list(rep.added_nodes), "tensorboard_event_file": event_file,
+           "time_limited": bool(result is not None and result.time_limited), "plan": plan.to_dict(), **details}
     with progress.phase("drawing", active=bool(plot or report_file)):
         if plot:
             from lmscli import plots

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from lmscli.errors import LmsError
 from lmscli.tfimport import tensorflow
+from lmscli.timing import timed
 
 GPU = "/job:localhost/replica:0/task:0/device:GPU:0"
 CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
@@ -70,6 +71,7 @@ def placed_metagraph(meta_graph, fetches):
     return meta, tuple(gpus)
 
 
+@timed("Grappler's estimate")
 def estimate_peak(meta_graph, fetches, gpu_mem: int = 1 << 50) -> GrapplerEstimate:
     """Grappler's peak memory per device for one step fetching ``fetches``."""
     from tensorflow.python.grappler import item as gitem
@@ -125,6 +127,7 @@ def _step_stats(meta_graph, fetches, gpu_mem: int = 1 << 50):
     return step_stats
 
 
+@timed("Grappler's scheduler")
 def trace(meta_graph, fetches, gpu_mem: int = 1 << 50) -> Trace:
     """Run Grappler's virtual scheduler (analytical cost model, first-ready order) on a virtual GPU."""
     step_stats = _step_stats(meta_graph, fetches, gpu_mem)
@@ -154,6 +157,7 @@ def call_ops(functions) -> frozenset:
     return CALL_OPS | {f.signature.name for f in functions}
 
 
+@timed("Grappler's optimizations")
 def optimize(meta_graph, fetches):
     """The GraphDef that Grappler's default optimizations (as a Session runs them on this machine)
     make of ``meta_graph`` for a step fetching ``fetches``; None if Grappler refuses the graph."""
@@ -183,3 +187,91 @@ def fused_away(graph_def, optimized) -> frozenset:
     # not fused: their inputs are ordinary tensors, and the optimizer guard checks each plan anyway.
     calls = call_ops(graph_def.library.function)
     return frozenset(node.name for node in graph_def.node if node.name not in kept and node.op not in calls)
+
+
+FORK_MAX_THREADS = 2  # a process that has only imported TensorFlow and parsed graphs runs 2 threads
+
+
+def optimize_in_parallel(meta_graph, fetches) -> "Pending":
+    """Start :func:`optimize` beside the caller's own work; calling the result waits for the
+    GraphDef (or None, as :func:`optimize`); ``cancel()`` gives up on it.
+
+    Grappler's optimizer holds Python's lock for its whole run (16 s on a 60,000-node graph), so a
+    thread cannot overlap it with shape inference and Grappler's scheduler (12 s there). A forked
+    child can, on a second core. Forking is safe only before TensorFlow's runtime has started
+    thread pools (which a fork would copy in whatever state they are): this is done only while
+    the process runs no more threads than after importing TensorFlow and reading a graph, on
+    systems with ``fork`` and ``/proc``. Otherwise, or if the child fails, the optimization runs
+    here. ``LMS_NO_FORK=1`` turns it off."""
+    if not _may_fork():
+        return Pending(meta_graph, fetches)
+    import os
+
+    from lmscli import timing
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: optimize, send the result, leave without running the parent's exit code
+        code = 1
+        try:
+            os.close(read_end)
+            timing.detach()
+            graph = optimize(meta_graph, fetches)
+            with os.fdopen(write_end, "wb") as out:
+                out.write(b"-" if graph is None else b"+" + graph.SerializeToString())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    return Pending(meta_graph, fetches, pid, read_end)
+
+
+class Pending:
+    """The result of :func:`optimize_in_parallel`: from a child process, or computed on demand."""
+
+    def __init__(self, meta_graph, fetches, pid: int | None = None, pipe: int | None = None):
+        self.meta_graph, self.fetches, self.pid, self.pipe = meta_graph, fetches, pid, pipe
+
+    def __call__(self):
+        if self.pid is None:
+            return optimize(self.meta_graph, self.fetches)
+        import os
+
+        from lmscli import timing
+
+        with timing.phase("Grappler's optimizations (second process)"):
+            with os.fdopen(self.pipe, "rb") as pipe:
+                data = pipe.read()
+            _, status = os.waitpid(self.pid, 0)
+        self.pid = None
+        if status != 0 or not data:
+            return optimize(self.meta_graph, self.fetches)
+        if data[:1] == b"-":
+            return None
+        from tensorflow.core.framework import graph_pb2
+
+        graph = graph_pb2.GraphDef()
+        graph.ParseFromString(data[1:])
+        return graph
+
+    def cancel(self) -> None:
+        if self.pid is None:
+            return
+        import os
+        import signal
+
+        os.kill(self.pid, signal.SIGKILL)
+        os.close(self.pipe)
+        os.waitpid(self.pid, 0)
+        self.pid = None
+
+
+def _may_fork() -> bool:
+    import os
+
+    if os.environ.get("LMS_NO_FORK") == "1" or not hasattr(os, "fork"):
+        return False
+    try:
+        return len(os.listdir("/proc/self/task")) <= FORK_MAX_THREADS
+    except OSError:
+        return False

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from lmscli.errors import GraphError, InputError
 from lmscli.tfimport import tensorflow
+from lmscli.timing import timed
 
 FORMATS = ("graphdef", "graphdef-text", "metagraph", "metagraph-text", "savedmodel")
 _OP_NAME = re.compile(r"^[A-Za-z_>][A-Za-z0-9_>]*$")
@@ -189,6 +190,7 @@ def _node_of(name: str) -> str:
     return base if sep and index.isdigit() else name
 
 
+@timed("load")
 def load(path: str, fmt: str | None = None, fetch: list[str] | None = None, tag: str | None = None) -> Model:
     """Load a model from ``path``. ``fmt`` forces one of :data:`FORMATS`; ``fetch`` names what to run."""
     if fmt is not None and fmt not in FORMATS:

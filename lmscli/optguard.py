@@ -25,6 +25,7 @@ import re
 
 from lmscli.graphview import parse_input
 from lmscli.rewriter import SCOPE
+from lmscli.timing import timed
 
 _TRANSPARENT = frozenset({"Identity", "NoOp"})
 _CONSTANT = frozenset({"Const", "HostConst"})
@@ -102,6 +103,7 @@ def digests(graph_def) -> tuple[dict, object]:
     return digest, resolve
 
 
+@timed("guard")
 def involved(optimized_original, optimized_rewritten) -> frozenset:
     """Names of the graph nodes around the first places where Grappler optimizes the rewritten
     graph differently from the original: each node computing something the other graph does not

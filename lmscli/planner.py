@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from lmscli import timing
 from lmscli.analysis import Prepared, binding
 from lmscli.candidates import Candidate, Filters, candidates, edge_safe
 from lmscli.device import Device
@@ -33,6 +34,7 @@ from lmscli.errors import NoFitError
 from lmscli.plan import Plan, from_sim, graph_fingerprint
 from lmscli.schedule import Schedule
 from lmscli.simulator import SimResult, SimSwap, SwapIn, simulate, transfer_us
+from lmscli.timing import timed
 from lmscli.units import format_size
 
 
@@ -67,6 +69,7 @@ class TuneResult:
     log: tuple[str, ...] = field(default=())
     per_device: tuple = field(default=())  # (GPU, TuneResult) per GPU, for graphs placed on several
     judge: str = "simulator"  # "grappler": the plan fits only in Grappler's order (api.reordering_fallback)
+    time_limited: bool = False  # refinement stopped at --time-limit: the best fitting plan found by then
 
     @property
     def fits(self) -> bool:
@@ -564,6 +567,7 @@ def plan_tflms(ctx: _Context, budget_act: int, log: list[str],
 
 
 # ---------------------------------------------------------------------------- entry point
+@timed("plan")
 def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(), margin=0) -> TuneResult:
     """Find a plan that fits ``device`` (less ``margin`` bytes). Raises NoFitError when none can.
 
@@ -664,6 +668,8 @@ def _best_plan(ctx: _Context, budget_act: int, baseline: SimResult, log: list[st
         log.append(f"[LMS] greedy planning stuck at {ctx.schedule.names[stuck.position]}")
     if found and len(ctx.schedule) > TFLMS_SEARCH_MAX_OPS:
         log.append(f"[LMS] {len(ctx.schedule)} ops: skipping the TFLMS-style second candidate")
+    elif found and timing.out_of_time():
+        log.append("[LMS] --time-limit passed: skipping the TFLMS-style second candidate")
     else:
         _tflms_candidate(ctx, budget_act, options, found)
     if not found:

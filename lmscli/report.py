@@ -180,6 +180,8 @@ def render_tune(console: Console, result, details: dict | None = None) -> None:
         ok = "[green]fits[/]" if g.get("fits") else "[red]does not fit[/]"
         second = "; a second opinion" if run is not None else ""
         t.add_row("Grappler's estimate", f"{format_size(g['peak_bytes'])} ({ok}; {g.get('rounds', 1)} round(s){second})")
+    if getattr(result, "time_limited", False):
+        t.add_row("time limit", "[yellow]reached: the best fitting plan found by then; more time may swap less[/]")
     if plan.grappler.get("left_alone"):
         t.add_row("left unswapped", f"{len(plan.grappler['left_alone'])} tensor(s) where a swap node would change what "
                   "Grappler's optimizations do (bit-identity)")

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from lmscli.errors import GraphError, PlanError
 from lmscli.graphview import GraphView, gpu_key, parse_input
 from lmscli.plan import Plan
+from lmscli.timing import timed
 
 SCOPE = "lms/"
 DEFAULT_HOST_DEVICE = "/device:CPU:0"
@@ -71,6 +72,7 @@ def _tensor_ref(node: str, output: int) -> str:
     return node if output == 0 else f"{node}:{output}"
 
 
+@timed("emit")
 def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, force: bool = False,
             view: GraphView | None = None):
     """Return ``(new_meta_graph, RewriteReport)``; ``meta_graph`` is not modified.

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from lmscli.costmodel import op_time
 from lmscli.graphview import DEFAULT_GPU, VARIABLE_OPS, GraphView
+from lmscli.timing import timed
 
 CONSTANT_OPS = frozenset({"Const", "HostConst"})
 
@@ -136,6 +137,7 @@ def first_ready_order(view: GraphView, active: set[int], cost: dict[int, int],
     return order
 
 
+@timed("schedule")
 def build_schedules(view: GraphView, fetches, flops: float = 15.7e12, mem_bandwidth: float = 900e9,
                     trace=None, memory_model: str = "executor") -> tuple[Schedule, ...]:
     """Order the ops that a step of ``fetches`` runs and describe their tensors, once per GPU.

@@ -12,6 +12,7 @@ import copy
 from lmscli.errors import InputError
 from lmscli.graphview import TensorInfo
 from lmscli.tfimport import tensorflow
+from lmscli.timing import timed
 
 _PLACEHOLDERS = ("Placeholder", "PlaceholderWithDefault")
 
@@ -60,6 +61,7 @@ def _info(tensor) -> TensorInfo:
     return TensorInfo(dims, dtype.name, itemsize, total)
 
 
+@timed("shape inference")
 def infer(graph_def) -> dict[str, tuple[TensorInfo, ...]]:
     """Import ``graph_def`` into a fresh ``tf.Graph`` and read every output's shape and dtype."""
     tf = tensorflow()

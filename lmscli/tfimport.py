@@ -17,6 +17,13 @@ def tensorflow():
     module = sys.modules.get("tensorflow")
     if module is not None:
         return module
+    from lmscli.timing import phase
+
+    with phase("import TensorFlow"):
+        return _import()
+
+
+def _import():
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if os.environ.get("LMS_DEBUG") == "1":
         import tensorflow as tf

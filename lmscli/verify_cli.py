@@ -10,11 +10,22 @@ group with ``cli.add_command``. Exit codes: 0 proven, 1 a graph that fails to ru
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 
 import click
+
+
+@contextlib.contextmanager
+def _progress(as_json: bool, no_color: bool):
+    """A clock for the library's phases and the status line that shows them (on a terminal)."""
+    from lmscli.progress import Progress
+    from lmscli.timing import Clock
+
+    with Clock():
+        yield Progress.for_output(as_json=as_json, no_color=no_color)
 
 
 def _console(no_color: bool):
@@ -136,14 +147,18 @@ def verify(original, rewritten, steps, batch_size, fetch, loss, no_measure, tf_o
     from lmscli import verify as verifier
 
     fetches = fetch.split(",") if fetch else None
-    model_a = api.load(original, fetch=fetches)
-    model_b = api.load(rewritten, fetch=list(model_a.fetches))
-    if gpu_mem is not None:
-        _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, not no_tf_optimize, as_json,
-                         no_color)
-        return
-    result = verifier.verify(model_a, model_b, steps=steps, batch_size=batch_size, measure=not no_measure,
-                             loss=loss, tf_order=tf_order)
+    with _progress(as_json, no_color) as progress:
+        with progress.phase("loading"):
+            model_a = api.load(original, fetch=fetches)
+            model_b = api.load(rewritten, fetch=list(model_a.fetches))
+        if gpu_mem is not None:
+            with progress.phase("proving on the stand-in GPU"):
+                _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, not no_tf_optimize,
+                                 as_json, no_color)
+            return
+        with progress.phase("training both graphs"):
+            result = verifier.verify(model_a, model_b, steps=steps, batch_size=batch_size, measure=not no_measure,
+                                     loss=loss, tf_order=tf_order)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
@@ -206,9 +221,12 @@ def measure(graphs, batch_size, fetch, runs, no_tf_optimize, as_json, no_color):
     from lmscli.prove import realmem
 
     fetches = fetch.split(",") if fetch else None
-    models = [api.load(graphs[0], fetch=fetches)]
-    models += [api.load(path, fetch=list(models[0].fetches)) for path in graphs[1:]]
-    needs = realmem.measure_need(models, batch_size=batch_size, runs=runs, optimize=not no_tf_optimize)
+    with _progress(as_json, no_color) as progress:
+        with progress.phase("loading"):
+            models = [api.load(graphs[0], fetch=fetches)]
+            models += [api.load(path, fetch=list(models[0].fetches)) for path in graphs[1:]]
+        with progress.phase("measuring on the stand-in GPU"):
+            needs = realmem.measure_need(models, batch_size=batch_size, runs=runs, optimize=not no_tf_optimize)
     if as_json:
         click.echo(json.dumps({"schema": "lms.measure", "version": 1, "runs": runs,
                                "graphs": [n.to_dict() for n in needs]}, indent=2))

@@ -16,8 +16,10 @@ in Grappler's first-ready order), ``predicted_standin_bytes`` the stand-in's.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
+from lmscli import timing
 from lmscli.errors import EXIT_OUT_OF_MEMORY, LmsError
 from lmscli.units import format_size
 
@@ -110,7 +112,8 @@ def measure_need(models, batch_size: int | None = None, runs: int = 3, optimize:
     owned = stand_in is None
     stand_in = stand_in or StandIn(optimize=optimize)
     try:
-        for model in models:
+        for k, model in enumerate(models):
+            timing.step(f"{os.path.basename(model.path)} ({k + 1} of {len(models)}): predicting")
             prediction, observation = predict(model, batch_size, observation)
             meta = _runnable(model)
             found = stand_in.find_min(meta, tuple(model.fetches), hint_bytes=prediction.predicted_standin_bytes,

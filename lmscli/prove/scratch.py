@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from lmscli.errors import LmsError
 from lmscli.prove._server import FIRST_REGION, _preallocate
+from lmscli.timing import timed
 
 REGION = 8 << 30  # address space the traced step's allocator gets up front (untouched pages cost nothing)
 
@@ -38,6 +39,7 @@ class Observation:
     micros: dict = field(default_factory=dict)  # node name -> microseconds it ran on this CPU
 
 
+@timed("traced CPU step")
 def observe(meta_graph, fetches, batch_size: int = 1, timeout_s: float = 300.0) -> Observation:
     """One traced training step on the CPU with the stand-in's allocator: scratch and order."""
     with tempfile.TemporaryDirectory(prefix="lms-scratch-") as tmp:

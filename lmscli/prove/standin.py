@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lmscli import timing
 from lmscli.errors import InputError, LmsError
 from lmscli.prove._server import FIRST_REGION, is_child, kill_child
 from lmscli.tfimport import tensorflow
@@ -677,6 +678,8 @@ class _Search:
         self.runs = 0
 
     def probe(self, limit: int, runs: int = 1) -> bool:
+        timing.step(f"trying {_mib(limit)}" + (f" ({runs} runs)" if runs > 1 else "")
+                    + (f"; runs out at {_mib(self.fail)}" if self.fail is not None else ""))
         verdict = self.standin._verdict(self.prep, limit, self.batch_size, self.steps, runs, False)
         self.probes.append((limit, verdict.fits))
         self.runs += verdict.runs
