@@ -4,7 +4,7 @@
 both graphs run on the stand-in GPU under that hard limit (:mod:`lmscli.prove.realmem`).
 ``measure`` finds the smallest limit under which one step really runs. Registered on the ``lms``
 group with ``cli.add_command``. Exit codes: 0 proven, 1 a graph that fails to run
-(:class:`~lmscli.errors.LmsError`), 4 different results (:class:`~lmscli.verify.DifferentResults`),
+(:class:`~lmscli.errors.LmsError`), 4 different results (:class:`~lmscli.prove.verify.DifferentResults`),
 5 the rewritten graph ran out of memory at ``--gpu-mem``.
 """
 
@@ -144,7 +144,7 @@ def verify(original, rewritten, steps, batch_size, fetch, loss, no_measure, tf_o
     of memory there.
     """
     from lmscli import api
-    from lmscli import verify as verifier
+    from lmscli.prove import verify as verifier
 
     fetches = fetch.split(",") if fetch else None
     with _progress(as_json, no_color) as progress:
@@ -169,7 +169,7 @@ def verify(original, rewritten, steps, batch_size, fetch, loss, no_measure, tf_o
 
 
 def _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, optimize, as_json, no_color) -> None:
-    from lmscli import verify as verifier
+    from lmscli.prove import verify as verifier
     from lmscli.prove import realmem
 
     prediction_a, observation = realmem.predict(model_a, batch_size)

@@ -3,7 +3,8 @@ bit-identically, and come out byte-identical every time."""
 
 import pytest
 
-from lmscli import api, grappler, loader, rewriter, verify
+from lmscli import api, grappler, loader, rewriter
+from lmscli.prove import steps
 from lmscli.errors import GraphError, NoFitError, PlanError
 from lmscli.planner import TflmsParams, TuneOptions
 from lmscli.tfimport import tensorflow
@@ -77,9 +78,9 @@ def test_every_sample_at_standard_budgets(samples, name, tmp_path):
         # One training step on CPU: loss and every variable bit-identical.
         reloaded = loader.load(str(out))
         if before is None:
-            before = verify.run_steps(original, model.fetches, batch_size=4)
-        after = verify.run_steps(reloaded.meta_graph, model.fetches, batch_size=4)
-        assert verify.first_difference(before, after) is None
+            before = steps.run_steps(original, model.fetches, batch_size=4)
+        after = steps.run_steps(reloaded.meta_graph, model.fetches, batch_size=4)
+        assert steps.first_difference(before, after) is None
         assert before.losses and before.variables
         assert all(device.endswith("CPU:0") for device in after.placements.values())
 
@@ -143,9 +144,9 @@ def test_control_flow_graphs_rewritten_identically(samples, name, tmp_path):
             trigger = view.index[group.trigger]
             assert not view.in_loop(trigger) and not view.conditional(trigger)
             assert all(not view.in_loop(view.index[c]) for c in group.consumers)
-    before = verify.run_steps(model.meta_graph, model.fetches, steps=2)
-    after = verify.run_steps(new_graph, model.fetches, steps=2)
-    assert verify.first_difference(before, after) is None
+    before = steps.run_steps(model.meta_graph, model.fetches, steps=2)
+    after = steps.run_steps(new_graph, model.fetches, steps=2)
+    assert steps.first_difference(before, after) is None
 
 
 def test_rewrite_is_byte_identical(samples, runner, tmp_path):
@@ -206,9 +207,9 @@ def test_serialization(samples, runner, tmp_path):
     assert {levels[c[0]] for c in within} <= {3, 4, 5, 8}
     assert all(list(c) == sorted(c) for c in within)
     serial = api.load(str(out))
-    before = verify.run_steps(model.meta_graph, model.fetches)
-    after = verify.run_steps(serial.meta_graph, model.fetches)
-    assert verify.first_difference(before, after) is None
+    before = steps.run_steps(model.meta_graph, model.fetches)
+    after = steps.run_steps(serial.meta_graph, model.fetches)
+    assert steps.first_difference(before, after) is None
     by_size = invoke(runner, "rewrite", samples / "cnn.meta", tmp_path / "s2.meta", "--swapout-threshold", "100",
                      "--serialize-by-size", "100KiB", "--json")
     assert by_size.exit_code == 0 and json.loads(by_size.stdout)["plan"]["serialize"]
@@ -263,15 +264,15 @@ def test_gelu_attention_style_net_stays_bit_identical_under_grappler(tmp_path):
     facts = api.analyze(prepared)
     device = api.make_device(gpu_mem=int(facts.lower_bound_bytes + 0.85 * (facts.peak_bytes - facts.lower_bound_bytes)),
                              reserve=0.0)
-    before = verify.run_steps(model.meta_graph, model.fetches, steps=2)
+    before = steps.run_steps(model.meta_graph, model.fetches, steps=2)
     unguarded = api.tune(prepared, device, check=False, guard=False)
-    after = verify.run_steps(api.rewrite(prepared, unguarded.plan)[0], model.fetches, steps=2)
-    assert verify.first_difference(before, after) is not None  # the danger is real on this graph
+    after = steps.run_steps(api.rewrite(prepared, unguarded.plan)[0], model.fetches, steps=2)
+    assert steps.first_difference(before, after) is not None  # the danger is real on this graph
     result = api.tune(prepared, device, check=False)
     assert result.plan.swaps and any("/Gelu/" in t for t in result.plan.grappler["left_alone"])
     new_graph, _ = api.rewrite(prepared, result.plan)
-    after = verify.run_steps(new_graph, model.fetches, steps=2)
-    assert verify.first_difference(before, after) is None
+    after = steps.run_steps(new_graph, model.fetches, steps=2)
+    assert steps.first_difference(before, after) is None
 
 
 def test_everything_else_is_preserved(samples, tmp_path):
@@ -316,8 +317,8 @@ def test_below_the_bound_of_the_original_order_grapplers_order_may_fit(samples):
     assert any("orders the step differently" in line for line in result.log)
     new_graph, _ = api.rewrite(prepared, result.plan)
     assert grappler.estimate_peak(new_graph, model.fetches).gpu_peak_bytes + prepared.schedule.resident_bytes <= budget
-    before = verify.run_steps(model.meta_graph, model.fetches, steps=2)
-    assert verify.first_difference(before, verify.run_steps(new_graph, model.fetches, steps=2)) is None
+    before = steps.run_steps(model.meta_graph, model.fetches, steps=2)
+    assert steps.first_difference(before, steps.run_steps(new_graph, model.fetches, steps=2)) is None
     # Far below the bound no reordering helps: the answer stays "no plan", quickly.
     with pytest.raises(NoFitError, match="no swap plan can fit"):
         api.tune(prepared, api.make_device(gpu_mem=int(facts.lower_bound_bytes * 0.5), reserve=0.0))
@@ -357,5 +358,5 @@ def test_functional_if_inputs_are_swapped_and_stay_identical(tmp_path):
     assert result.fits and result.plan.grappler["peak_bytes"] > 0
     assert any(c in ifs for s in result.plan.swaps for g in s.swap_ins for c in g.consumers)
     new_graph, _ = api.rewrite(prepared, result.plan)
-    before = verify.run_steps(model.meta_graph, model.fetches, steps=2)
-    assert verify.first_difference(before, verify.run_steps(new_graph, model.fetches, steps=2)) is None
+    before = steps.run_steps(model.meta_graph, model.fetches, steps=2)
+    assert steps.first_difference(before, steps.run_steps(new_graph, model.fetches, steps=2)) is None

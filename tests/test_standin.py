@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from lmscli import verify
+from lmscli.prove import steps
 from lmscli.errors import LmsError
 from lmscli.prove.standin import HOST_DEVICE, MIB, StandIn
 from lmscli.tfimport import tensorflow
@@ -108,7 +108,7 @@ def test_out_of_memory_below_need_fits_above(standin, reference, original_at_75)
     roomy = standin.run(toy(), ["train"], 120 * MIB)
     assert roomy.fits and roomy.runs == 3 and roomy.failures == 0 and not roomy.varies
     assert roomy.oom_node is None and roomy.message is None and roomy.results_differ is None
-    assert verify.compare(roomy.result, reference) is None
+    assert steps.compare(roomy.result, reference) is None
 
 
 @pytest.mark.slow
@@ -116,7 +116,7 @@ def test_swap_fits_where_original_runs_out_and_is_bit_identical(standin, referen
     swapped = standin.run(toy("ok"), ["train"], 75 * MIB)
     assert not original_at_75.fits
     assert swapped.fits and swapped.runs == 3 and swapped.failures == 0 and swapped.results_differ is None
-    assert verify.compare(swapped.result, reference) is None
+    assert steps.compare(swapped.result, reference) is None
     assert {name: HOST_DEVICE for name in SWAPPED} == swapped.result.placements
 
 
@@ -124,7 +124,7 @@ def test_swap_fits_where_original_runs_out_and_is_bit_identical(standin, referen
 def test_grappler_swap_kernels_move_the_tensor_out(standin, reference):
     """Grappler's swap-out kernel's output lives in host memory: it runs as Identity on the host."""
     swapped = standin.run(toy("grappler"), ["train"], 75 * MIB, runs=1)
-    assert swapped.fits and verify.compare(swapped.result, reference) is None
+    assert swapped.fits and steps.compare(swapped.result, reference) is None
     assert swapped.result.placements["lms/swapout/a"] == HOST_DEVICE
     assert swapped.result.placements["lms/swapin/a"] != HOST_DEVICE
 

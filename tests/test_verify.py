@@ -29,7 +29,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from lmscli import api, measure, verify
+from lmscli import api
+from lmscli.prove import measure, steps, verify
 from lmscli.tfimport import tensorflow
 from lmscli.verify_cli import verify as verify_command
 from tests.conftest import SAMPLES
@@ -271,22 +272,22 @@ def test_live_curve_allocations_before_frees_at_equal_times():
 def test_compare_names_the_loss_step_and_the_variable():
     import numpy as np
 
-    a = verify.StepRun((np.float32(1.0), np.float32(2.0)), {"w:0": np.zeros(3, np.float32), "b:0": np.ones(2)}, {})
-    b = verify.StepRun((np.float32(1.0), np.float32(2.5)), {"w:0": np.array([0, 0, 1e-7], np.float32),
+    a = steps.StepRun((np.float32(1.0), np.float32(2.0)), {"w:0": np.zeros(3, np.float32), "b:0": np.ones(2)}, {})
+    b = steps.StepRun((np.float32(1.0), np.float32(2.5)), {"w:0": np.array([0, 0, 1e-7], np.float32),
                                                             "b:0": np.ones(2)}, {})
-    diff = verify.compare(a, b)
+    diff = steps.compare(a, b)
     assert diff.loss_step == 1 and diff.variable == "w:0"
-    assert verify.first_difference(a, b).startswith("loss at step 1")
-    assert verify.first_difference(a, a) is None
+    assert steps.first_difference(a, b).startswith("loss at step 1")
+    assert steps.first_difference(a, a) is None
 
 
 def test_measurement_copy_computes_the_same(rewritten):
     """DeepCopy (the copying op the measurement substitutes for swap nodes) is bit-identical."""
     original, out, _ = rewritten("cnn")
     model = api.load(str(original))
-    copied = verify.run_steps(api.load(str(out)).meta_graph, model.fetches, steps=1, copies=True)
-    plain = verify.run_steps(model.meta_graph, model.fetches, steps=1)
-    assert verify.first_difference(plain, copied) is None
+    copied = steps.run_steps(api.load(str(out)).meta_graph, model.fetches, steps=1, copies=True)
+    plain = steps.run_steps(model.meta_graph, model.fetches, steps=1)
+    assert steps.first_difference(plain, copied) is None
 
 
 @pytest.mark.parametrize("name", ["mlp", "unknown_batch", "while_rnn", "cond_cnn", "two_gpu_cnn"])

@@ -47,12 +47,13 @@ def predict(model, batch_size: int | None = None, observation=None) -> tuple[Pre
     figure follows what one traced CPU step of that graph shows (kernel scratch, the CPU
     executor's order and op times: :func:`lmscli.prove.scratch.observe`); returns that
     observation too."""
-    from lmscli import api, grappler, verify
+    from lmscli import api, grappler
+    from lmscli.prove import steps
     from lmscli.analysis import RUN_JUDGE_MAX_OPS, run_graph, run_peak_of
     from lmscli.prove.scratch import observe
     from lmscli.simulator import simulate
 
-    meta, _ = verify.map_gpu_ops(model.meta_graph)
+    meta, _ = steps.map_gpu_ops(model.meta_graph)
     model = api.Model(model.path, model.format, meta, tuple(model.fetches), model.fetch_source, list(model.notes))
     prepared = api.prepare(model, batch_size=batch_size)
     schedule = prepared.schedule
@@ -170,12 +171,12 @@ def prove_at_limit(original, rewritten, limit_bytes: int, steps: int = 1, runs: 
     ``limit_bytes``, ``runs`` times each, and both once without a limit: the rewrite must compute
     bit for bit what the original computes. (Under a tight limit the same graph may compute
     differently in the last bits, which a note reports.)"""
-    from lmscli import verify
+    from lmscli.prove.steps import compare, default_loss
     from lmscli.prove.standin import StandIn
 
     fetches = tuple(original.fetches)
     meta_a, meta_b = _runnable(original), _runnable(rewritten)
-    loss = loss or verify.default_loss(meta_a)
+    loss = loss or default_loss(meta_a)
     batch = batch_size or 1
     owned = stand_in is None
     stand_in = stand_in or StandIn(optimize=optimize)
@@ -197,10 +198,10 @@ def prove_at_limit(original, rewritten, limit_bytes: int, steps: int = 1, runs: 
     identical = difference = None
     if reference.result is not None and free.result is not None:
         # What the rewrite computes: both graphs without a limit, bit for bit.
-        diff = verify.compare(reference.result, free.result)
+        diff = compare(reference.result, free.result)
         identical, difference = diff is None, (diff.message if diff else None)
     if identical and rewrite.fits and rewrite.result is not None:
-        squeezed = verify.compare(free.result, rewrite.result)
+        squeezed = compare(free.result, rewrite.result)
         if squeezed is not None:
             notes.append(f"at {format_size(limit_bytes)} the rewritten graph's results differ from its own run without a "
                          f"limit ({squeezed.message}): the same graph computes differently under the limit, so this "

@@ -67,7 +67,7 @@ def observe(meta_graph, fetches, batch_size: int = 1, timeout_s: float = 300.0) 
 def _main(argv) -> int:
     graph, out, batch = argv[0], argv[1], int(argv[2])
     fetches = argv[3:]
-    from lmscli import verify
+    from lmscli.prove import steps
     from lmscli.tfimport import tensorflow
 
     tf = tensorflow()
@@ -75,12 +75,12 @@ def _main(argv) -> int:
     meta = type(tf.compat.v1.MetaGraphDef())()
     with open(graph, "rb") as fh:
         meta.ParseFromString(fh.read())
-    placed = verify.place_on_cpu(meta).meta_graph
-    g = verify.import_graph(placed, fetches)
+    placed = steps.place_on_cpu(meta).meta_graph
+    g = steps.import_graph(placed, fetches)
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
-    with tf.compat.v1.Session(graph=g.graph, config=verify.session_config(True)) as sess:
+    with tf.compat.v1.Session(graph=g.graph, config=steps.session_config(True)) as sess:
         sess.run(g.init)
-        feed = verify.feeds(g.placeholders, batch, 0)
+        feed = steps.feeds(g.placeholders, batch, 0)
         sess.run(g.targets, feed_dict=feed)  # first-run allocations aside
         step = tf.compat.v1.RunMetadata()
         sess.run(g.targets, feed_dict=feed, options=options, run_metadata=step)

@@ -56,7 +56,7 @@ from lmscli import timing
 from lmscli.errors import InputError, LmsError
 from lmscli.prove._server import FIRST_REGION, is_child, kill_child
 from lmscli.tfimport import tensorflow
-from lmscli.verify import (GPU_COPY_OPS, StepRun, _check_cpu_kernels, compare, default_loss, failed_run, feeds,
+from lmscli.prove.steps import (GPU_COPY_OPS, StepRun, _check_cpu_kernels, compare, default_loss, failed_run, feeds,
                            import_graph, map_gpu_ops)
 
 MIB = 1 << 20
@@ -335,7 +335,7 @@ def place(meta_graph):
 class _Prepared:
     """A placed graph, imported once and run in many sessions."""
 
-    imported: object  # lmscli.verify.Imported
+    imported: object  # lmscli.prove.steps.Imported
     produced: list  # fetched output tensors, compared for graphs without variables
     feeds: dict  # (step, batch size) -> feed dict
 
@@ -594,7 +594,7 @@ class StandIn:
         whole MiB; None: no limit, a reference run), ``runs`` times with fresh processes.
 
         Runs stop at the first out-of-memory (the claim "fits" is refuted). ``loss`` defaults to
-        :func:`lmscli.verify.default_loss`; ``batch_size`` sizes unknown placeholder dimensions.
+        :func:`lmscli.prove.steps.default_loss`; ``batch_size`` sizes unknown placeholder dimensions.
         ``peak=True`` also reads the stand-in allocator's peak bytes in use (whole chunks: under a
         limit it nears the limit, as BFC hands out a whole free chunk when splitting it would leave
         less than the request and less than 128 MiB). Raises :class:`~lmscli.errors.LmsError` when

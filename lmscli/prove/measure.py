@@ -15,7 +15,7 @@ allocated when kernels are built and never appear. Forwarding ops (Identity, Rea
 Reshape) allocate nothing: their output is their input's buffer, or the variable's.
 
 The measurement runs a copy of the graph in which swap nodes really copy (see
-:func:`lmscli.verify.place_on_cpu`); nothing here changes a graph that is written to disk.
+:func:`lmscli.prove.steps.place_on_cpu`); nothing here changes a graph that is written to disk.
 
 Order matters: TensorFlow's executor picks a different order among ready nodes in every session,
 even with one inter-op thread, and with one thread the stand-in's partition keeps the thread
@@ -207,19 +207,19 @@ def measure_peak(meta_graph, fetches, batch_size: int = 1, order=None, warmup: i
     ``optimize=False`` turns Grappler off so the graph runs as written (oneDNN's fusions remain).
     """
     tf = tensorflow()
-    from lmscli import verify
+    from lmscli.prove import steps
 
-    placed = verify.place_on_cpu(meta_graph, copies=True)
+    placed = steps.place_on_cpu(meta_graph, copies=True)
     if order:
         serialize(placed.meta_graph, order)
     try:
-        g = verify.import_graph(placed.meta_graph, fetches)
+        g = steps.import_graph(placed.meta_graph, fetches)
         options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
-        with tf.compat.v1.Session(graph=g.graph, config=verify.session_config(optimize)) as sess:
+        with tf.compat.v1.Session(graph=g.graph, config=steps.session_config(optimize)) as sess:
             before = []  # what ran before the measured step: initializer, warm-up steps
             before.append(tf.compat.v1.RunMetadata())
             sess.run(g.init, options=options, run_metadata=before[-1])
-            feed = verify.feeds(g.placeholders, batch_size, 0)
+            feed = steps.feeds(g.placeholders, batch_size, 0)
             for _ in range(warmup):
                 before.append(tf.compat.v1.RunMetadata())
                 sess.run(g.targets, feed_dict=feed, options=options, run_metadata=before[-1])
@@ -228,7 +228,7 @@ def measure_peak(meta_graph, fetches, batch_size: int = 1, order=None, warmup: i
     except LmsError:
         raise
     except Exception as exc:
-        raise verify.failed_run(exc) from None
+        raise steps.failed_run(exc) from None
     # Resident: what the runs before the step left allocated on the stand-in (variables; slots that
     # start as a shared constant get their own buffer at their first update).
     resident = sum(b for md in before for _, b, _ in _records(md.step_stats, STANDIN_SUFFIX))

@@ -1,0 +1,187 @@
+"""``lms verify``: prove that a rewrite computes exactly what the original computes, and measure both.
+
+:func:`verify` trains both graphs on CPU with the same seeds and feeds (:mod:`lmscli.prove.steps`)
+and compares loss and variables bit for bit; it also gives the memory each graph needs on the
+stand-in device, measured (:mod:`lmscli.prove.measure`), simulated and estimated by Grappler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lmscli.errors import EXIT_DIFFERENT, InputError, LmsError
+from lmscli.prove.steps import (GPU_COPY_OPS, SCHEMA_VERSION, Difference, _check_cpu_kernels, compare, default_loss,
+                                map_gpu_ops, place_on_cpu, run_steps)
+from lmscli.units import format_size
+
+
+class DifferentResults(LmsError):
+    """The rewritten graph does not compute bit-identical results."""
+
+    exit_code = EXIT_DIFFERENT
+
+
+# ---------------------------------------------------------------- lms verify
+@dataclass(frozen=True)
+class GraphFigures:
+    """Peak memory of one graph on the stand-in device: measured, simulated and Grappler's."""
+
+    measured: object | None  # lmscli.prove.measure.MeasuredMemory, None when not measured
+    simulated_peak_bytes: int | None  # the simulator's peak, resident variables included
+    grappler_peak_bytes: int | None  # Grappler's tensor peak + variable bytes
+    swap_nodes: int
+    simulated_forwarding_peak_bytes: int | None = None  # simulated, forwarded buffers counted once
+    variable_bytes: int | None = None  # declared variable storage (the simulator's resident variables)
+
+    def measured_vs_simulated(self) -> float | None:
+        """measured / simulated peak (resident variables in both)."""
+        if self.measured is None or not self.simulated_peak_bytes:
+            return None
+        return self.measured.peak_bytes / self.simulated_peak_bytes
+
+    def to_dict(self) -> dict:
+        m = self.measured
+        return {"measured_peak_bytes": m.peak_bytes if m else None,
+                "measured_tensor_peak_bytes": m.tensor_peak_bytes if m else None,
+                "measured_resident_bytes": m.resident_bytes if m else None,
+                "measured_peak_node": m.peak_node if m else None,
+                "simulated_peak_bytes": self.simulated_peak_bytes,
+                "grappler_peak_bytes": self.grappler_peak_bytes,
+                "simulated_forwarding_peak_bytes": self.simulated_forwarding_peak_bytes,
+                "variable_bytes": self.variable_bytes,
+                "swap_nodes": self.swap_nodes}
+
+
+@dataclass(frozen=True)
+class Verification:
+    identical: bool
+    difference: Difference | None
+    steps: int
+    batch_size: int
+    loss: str | None
+    variables: int
+    fetches: tuple[str, ...]
+    original: GraphFigures
+    rewritten: GraphFigures
+    notes: tuple[str, ...] = field(default=())
+    outputs: int = 0  # fetched output tensors compared (graphs without variables)
+
+    def to_dict(self) -> dict:
+        return {"schema": "lms.verify", "version": SCHEMA_VERSION, "identical": self.identical,
+                "first_difference": self.difference.message if self.difference else None,
+                "first_different_variable": self.difference.variable if self.difference else None,
+                "steps": self.steps, "batch_size": self.batch_size, "loss": self.loss,
+                "variables": self.variables, "outputs": self.outputs, "fetches": list(self.fetches),
+                "original": self.original.to_dict(), "rewritten": self.rewritten.to_dict(),
+                "notes": list(self.notes), "limit": None}
+
+
+def _unknown_placeholders(graph_def) -> list[str]:
+    out = []
+    for node in graph_def.node:
+        if node.op != "Placeholder":
+            continue
+        shape = node.attr["shape"].shape if "shape" in node.attr else None
+        if shape is None or shape.unknown_rank or any(d.size < 0 for d in shape.dim):
+            out.append(node.name)
+    return out
+
+
+def measurement_order(prepared) -> tuple[str, ...]:
+    """The simulator's op order (measure_peak leaves control-flow regions out of the chain)."""
+    return tuple(prepared.schedule.names)
+
+
+def _figures(model, fetches, batch_size, measure: bool, notes: list, label: str, tf_order: bool = False):
+    """(meta graph to run, GraphFigures) for a loaded model, with the step running ``fetches``."""
+    from lmscli import api, grappler
+    from lmscli.prove.measure import forwarding_peak, measure_peak
+    from lmscli.simulator import simulate
+
+    gpu_ops = {node.name: node.op for node in model.graph_def.node if node.op in GPU_COPY_OPS}
+    meta, _ = map_gpu_ops(model.meta_graph)  # the simulator, Grappler and TF's CPU build need known ops
+    if gpu_ops:
+        kinds = ", ".join(sorted(set(gpu_ops.values())))
+        notes.append(f"{label}: {len(gpu_ops)} GPU-only copy ops ({kinds}) run as Identity")
+    _check_cpu_kernels(meta.graph_def)
+    model = api.Model(model.path, model.format, meta, tuple(fetches), model.fetch_source, list(model.notes))
+    prepared = api.prepare(model, batch_size=batch_size)
+    unknown = _unknown_placeholders(prepared.graph_def)
+    if unknown:
+        raise InputError(f"{model.path}: placeholder {unknown[0]} has an unknown dimension; pass --batch-size N")
+    meta = api.with_graph_def(model.meta_graph, prepared.graph_def)
+    schedule = prepared.schedule
+    if len(prepared.devices) > 1:
+        notes.append(f"{label}: the graph places ops on {len(prepared.devices)} GPUs ({', '.join(prepared.devices)}); "
+                     f"the stand-in device runs them all, so the measured peak covers all of them while the "
+                     f"simulated and Grappler peaks are those of {schedule.device}, the GPU that needs the most")
+    simulated = simulate(schedule).peak_bytes
+    try:
+        estimate = grappler.estimate_peak(meta, model.fetches)
+        grappler_peak = estimate.gpu_peaks.get(schedule.device, estimate.gpu_peak_bytes) + schedule.variable_bytes
+    except LmsError as exc:
+        notes.append(f"{label}: {exc}")
+        grappler_peak = None
+    for node in meta.graph_def.node:  # measure the copies in their direction: put the GPU-only ops back
+        if node.name in gpu_ops:
+            node.op = gpu_ops[node.name]
+    placed = place_on_cpu(meta)
+    measured = None
+    if measure:
+        order = None if tf_order else measurement_order(prepared)
+        measured = measure_peak(meta, model.fetches, batch_size or 1, order=order)
+        notes.extend(f"{label}: {n}" for n in measured.notes)
+    figures = GraphFigures(measured, simulated, grappler_peak, len(placed.swap_outs) + len(placed.swap_ins),
+                           forwarding_peak(schedule) + schedule.resident_bytes, schedule.variable_bytes)
+    return meta, figures
+
+
+def verify(original, rewritten, steps: int = 2, batch_size: int | None = None, measure: bool = True,
+           loss: str | None = None, tf_order: bool = False) -> Verification:
+    """Prove ``rewritten`` (a loaded Model) computes bit-identically what ``original`` does, and measure both.
+
+    Both graphs run ``steps`` training steps of the original's fetches with the same seeds and feeds;
+    the loss (``loss`` or :func:`default_loss`) and every variable are compared bit for bit. With
+    ``measure``, each graph's peak on the stand-in device is measured in the simulator's op order
+    (``tf_order=True``: in whatever order TensorFlow's executor picks, which changes per session).
+    """
+    if steps < 1:
+        raise InputError("--steps must be at least 1")
+    notes: list[str] = []
+    fetches = tuple(original.fetches)
+    missing = [f for f in fetches if f not in {node.name for node in rewritten.graph_def.node}]
+    if missing:
+        raise InputError(f"{rewritten.path}: fetch {missing[0]!r} of the original is not in the rewritten graph; "
+                         "pass --fetch NAME")
+    meta_a, figures_a = _figures(original, fetches, batch_size, measure, notes, "original", tf_order)
+    meta_b, figures_b = _figures(rewritten, fetches, batch_size, measure, notes, "rewritten", tf_order)
+    loss = loss or default_loss(meta_a)
+    run_batch = batch_size or 1
+    a = run_steps(meta_a, fetches, steps=steps, batch_size=run_batch, loss=loss)
+    b = run_steps(meta_b, fetches, steps=steps, batch_size=run_batch, loss=loss)
+    if loss is not None and not a.losses:
+        notes.append(f"{loss} is not in the graph; compared variables only")
+        loss = None
+    diff = compare(a, b)
+    if diff is not None:
+        plain_a = run_steps(meta_a, fetches, steps=steps, batch_size=run_batch, loss=loss, optimize=False)
+        plain_b = run_steps(meta_b, fetches, steps=steps, batch_size=run_batch, loss=loss, optimize=False)
+        if compare(plain_a, plain_b) is None:
+            notes.append("run as written (Grappler's graph optimizations off) the two graphs are bit-identical: the "
+                         "difference comes from Grappler optimizing the rewritten graph differently (a fusion or "
+                         "folding that a swap node interrupts), not from what the rewrite computes")
+    for label, fig in (("original", figures_a), ("rewritten", figures_b)):
+        ratio = fig.measured_vs_simulated()
+        if ratio is None or abs(ratio - 1.0) <= 0.15:
+            continue
+        forwarding = fig.simulated_forwarding_peak_bytes
+        text = (f"{label}: the measured peak is {ratio:.0%} of the simulated one; with the outputs of forwarding ops "
+                f"(Identity, ReadVariableOp, Reshape) sharing their input's buffer, as TensorFlow does, the "
+                f"simulated peak is {format_size(forwarding)}")
+        if forwarding and abs(fig.measured.peak_bytes / forwarding - 1.0) <= 0.15:
+            text += ", within 15% of the measurement"
+        else:
+            text += ", which does not explain the gap"
+        notes.append(text)
+    return Verification(diff is None, diff, steps, run_batch, loss, len(a.variables), fetches,
+                        figures_a, figures_b, tuple(notes), len(a.outputs[0]) if a.outputs else 0)
