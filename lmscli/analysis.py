@@ -40,6 +40,7 @@ class Prepared:
     trace: object = None  # Grappler's trace the schedules were built from (None: roofline model)
     observed_order: tuple = ()  # an execution order observed in a real run, followed by the schedules
     observed_micros: object = None  # op times observed in that run (node name -> microseconds)
+    dead: frozenset = frozenset()  # ops Grappler prunes as unused, left out of the schedules
 
     @functools.cached_property
     def run_peak_bytes(self) -> int | None:
@@ -64,8 +65,8 @@ class Prepared:
         trace = self.trace.observed(order, micros) if self.trace is not None else None
         if trace is None:
             return self.with_scratch(scratch or {})
-        schedules = build_schedules(self.view, self.model.fetches, trace=trace,
-                                    memory_model=self.schedule.memory_model)
+        schedules = tuple(s.without(self.dead) for s in build_schedules(
+            self.view, self.model.fetches, trace=trace, memory_model=self.schedule.memory_model))
         chosen = next((s for s in schedules if s.device == self.schedule.device), schedules[0])
         seen = replace(self, schedule=chosen, schedules=schedules, observed_order=tuple(order),
                        observed_micros=dict(micros or {}))
@@ -86,7 +87,7 @@ class Prepared:
 @timed("prepare")
 def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grappler",
             flops: float = 15.7e12, mem_bandwidth: float = 900e9, judge: str = "executor",
-            optimize: bool = True) -> Prepared:
+            optimize: bool = True, prune_dead: bool | None = None) -> Prepared:
     """Infer shapes (applying ``batch_size`` to unknown placeholder batch dims) and build the schedule.
 
     ``cost_model="grappler"`` orders and times ops by Grappler's virtual scheduler on a virtual
@@ -95,6 +96,9 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
     memory model the schedule is counted by (:mod:`lmscli.memmodel`): ``executor`` (what a real
     run allocates) or ``grappler`` (TensorFlow's static estimate). ``optimize=False`` skips
     computing what Grappler's default optimizations make of the graph (the optimizer guard needs it).
+    ``prune_dead`` (default: under the executor judge) leaves out of the schedule the ops those
+    optimizations prune as unused (:func:`lmscli.grappler.dead_nodes`): a Session never runs them,
+    and in the graph as written they hold tensors into the backward pass.
     """
     from lmscli import shapes
 
@@ -138,8 +142,14 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
         raise
     optimized = pending() if pending is not None else None
     fused = grappler.fused_away(meta.graph_def, optimized)
+    dead = frozenset()
+    if prune_dead if prune_dead is not None else judge == "executor":
+        dead = grappler.dead_nodes(meta.graph_def, optimized, model.fetches)
+        if dead:
+            schedules = tuple(s.without(dead) for s in schedules)
+            schedule = next(s for s in schedules if s.device == schedule.device)
     return Prepared(model, graph_def, view, schedule, batch_size, tuple(changed), fused, schedules, optimized,
-                    trace=trace)
+                    trace=trace, dead=dead)
 
 
 @timed("judge")
@@ -439,6 +449,27 @@ def _executor_binding(schedule: Schedule, swappable: set[int], base: SimResult) 
                  sum(size[r] for r in best_touched), tuple(held[:10]))
 
 
+def _dead_notes(prepared: Prepared) -> tuple[str, ...]:
+    """A note when ops of the step as written are left out because Grappler prunes them."""
+    ran = prepared.view.ancestors([prepared.view.index[name] for name in prepared.model.fetches])
+    dead = sum(1 for i in ran if prepared.view.names[i] in prepared.dead)
+    if not dead:
+        return ()
+    return (f"{dead} op(s) compute results nothing reads (gradients with respect to constants or dropout masks): "
+            "TensorFlow's optimizations prune them, so the schedule leaves them out",)
+
+
+def _loop_notes(view: GraphView, active) -> tuple[str, ...]:
+    """A note when the step runs v1 while loops: their bodies are counted for one iteration."""
+    frames = {view.frames[i] for i in active if view.frames[i]}
+    if not frames:
+        return ()
+    stacks = sum(1 for i in active if view.frames[i] and view.ops[i] in ("StackPushV2", "StackPush"))
+    return (f"the step runs {len(frames)} while loop(s): each body is counted for one iteration, so what a loop "
+            f"keeps per iteration{f' ({stacks} gradient stack push(es))' if stacks else ''} is not multiplied by "
+            "its trip count and the peak is underestimated",)
+
+
 def _call_notes(view: GraphView, active) -> tuple[str, ...]:
     """A note when the step calls functions of the graph's library: the tensors inside their
     bodies are not counted (only the calls' inputs and outputs are), nor swapped."""
@@ -500,7 +531,7 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
         format=model.format,
         fetches=tuple(model.fetches),
         fetch_source=model.fetch_source,
-        notes=tuple(model.notes) + _call_notes(view, active),
+        notes=tuple(model.notes) + _call_notes(view, active) + _dead_notes(prepared) + _loop_notes(view, active),
         batch_size=prepared.batch_size,
         vertices=view.size,
         active_vertices=len(active),

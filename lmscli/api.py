@@ -210,10 +210,21 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
     start = _run_margin(prepared, device, options)
     if start:
         margins[prepared.schedule.device] = start
-    result = plan_tune(prepared, device, options, margin=dict(margins))
+    manual = options.strategy == "tflms" and options.tflms is not None
+    try:
+        result = plan_tune(prepared, device, options, margin=dict(margins))
+    except NoFitError:
+        run = prepared.run_peak_bytes if prepared.schedule.memory_model == "executor" and not manual else None
+        if run is None or run > device.budget or len(prepared.schedules) > 1:
+            raise
+        # The graph as written is over the budget and below it nothing fits, but the graph
+        # TensorFlow runs fits as it is (the judge below says so): plan nothing.
+        from lmscli.simulator import simulate
+
+        margins[prepared.schedule.device] = device.budget - simulate(prepared.schedule, detail=False).peak_bytes
+        result = plan_tune(prepared, device, options, margin=dict(margins))
     if not (check or guard):
         return result
-    manual = options.strategy == "tflms" and options.tflms is not None
     estimate_rounds = guard_rounds = 0
 
     def noted(result):

@@ -175,6 +175,28 @@ def optimize(meta_graph, fetches):
         return None
 
 
+def dead_nodes(graph_def, optimized, fetches) -> frozenset:
+    """Names of the nodes of ``graph_def`` whose results Grappler's default optimizations find
+    unused and prune: neither in ``optimized`` nor feeding, through data edges, a node that is
+    (or a fetch). ``tf.gradients`` makes many: the gradient of ``0.5 * x`` with respect to the
+    constant, of a dropout mask, of the exponent of ``Pow`` - kept in the step as written only by
+    the control edges of its ``tuple`` groups, which the dependency optimizer removes."""
+    if optimized is None:
+        return frozenset()
+    from lmscli.graphview import parse_input
+
+    producers = {node.name: [parse_input(text)[0] for text in node.input if not text.startswith("^")]
+                 for node in graph_def.node}
+    reached = ({node.name for node in optimized.node} | set(fetches)) & producers.keys()
+    stack = list(reached)
+    while stack:
+        for src in producers[stack.pop()]:
+            if src not in reached and src in producers:
+                reached.add(src)
+                stack.append(src)
+    return frozenset(producers.keys() - reached)
+
+
 def fused_away(graph_def, optimized) -> frozenset:
     """Names of the nodes of ``graph_def`` that Grappler's default optimizations fold, fuse or
     prune away (absent from ``optimized``, the result of :func:`optimize`). A swap node attached

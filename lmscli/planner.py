@@ -675,7 +675,7 @@ def _best_plan(ctx: _Context, budget_act: int, baseline: SimResult, log: list[st
     if not found:
         raise NoFitError(_stuck_message(ctx, stuck_at, "lms", budget_act, lb), bound_bytes=lb,
                          binding_op=ctx.schedule.names[stuck_at.position],
-                         budget_bytes=budget_act + ctx.schedule.resident_bytes)
+                         budget_bytes=ctx.device.budget)
     found.sort(key=lambda f: f[:3])
     _bytes, _time, origin, swaps, result, params = found[0]
     if origin == 1:
@@ -699,7 +699,11 @@ def _stuck_message(ctx: _Context, stuck: _Stuck, strategy: str, budget_act: int,
         where = " (inside a while loop, where lms does not swap)"
     elif ctx.view.conditional(node):
         where = " (inside a cond branch, where lms adds no control edges)"
-    return (f"no swap plan found under {format_size(budget_act + sched.resident_bytes)}: at "
+    planned = budget_act + sched.resident_bytes
+    under = format_size(ctx.device.budget)
+    if planned != ctx.device.budget:  # the judge's margin: the graph TensorFlow runs needs more, or less
+        under += f" (planned as {format_size(planned)} for the graph as written)"
+    return (f"no swap plan found under {under}: at "
             f"{sched.names[stuck.position]}{where} the {strategy} strategy still needs "
             f"{format_size(stuck.result.peak_bytes)} (lower bound {format_size(lb)}); "
             "try a larger --gpu-mem or a smaller batch")

@@ -70,6 +70,36 @@ class Schedule:
             shares, in_place = memmodel.sharing(self.ops, self.tensors, self.inputs, self.on_gpu)
         return replace(self, memory_model=memory_model, shares=shares, in_place=in_place)
 
+    def without(self, names) -> "Schedule":
+        """The schedule without the ops named in ``names`` (e.g. what Grappler prunes as dead):
+        their outputs are gone and they no longer read their inputs, so those end sooner.
+
+        Before::  x -> A -> B (dead) ;  x -> C (backward)      x lives from A to C, B holds y
+        After::   x -> A ;  x -> C                              B and its output are gone
+
+        The order of the other ops is kept; resident bytes are unchanged (variables stay)."""
+        from dataclasses import replace
+
+        drop = {pos for pos, name in enumerate(self.names) if name in names}
+        if not drop:
+            return self
+        kept = [pos for pos in range(len(self.nodes)) if pos not in drop]
+        new_pos = {old: new for new, old in enumerate(kept)}
+        tensors: list[SimTensor] = []
+        new_id: dict[int, int] = {}
+        for t in self.tensors:
+            if t.producer in drop:
+                continue
+            new_id[t.id] = len(tensors)
+            tensors.append(SimTensor(len(tensors), new_pos[t.producer], t.output, t.num_bytes,
+                                     tuple(new_pos[c] for c in t.consumers if c not in drop)))
+        inputs = tuple(tuple(new_id[tid] for tid in self.inputs[pos] if tid in new_id) for pos in kept)
+        pick = lambda values: tuple(values[pos] for pos in kept) if values else values  # noqa: E731
+        pruned = replace(self, nodes=pick(self.nodes), names=pick(self.names), ops=pick(self.ops),
+                         levels=pick(self.levels), compute=pick(self.compute), on_gpu=pick(self.on_gpu),
+                         tensors=tuple(tensors), inputs=inputs, scratch=pick(self.scratch), shares=(), in_place=())
+        return pruned.with_memory_model(self.memory_model)
+
     @property
     def resident_bytes(self) -> int:
         return self.variable_bytes + self.constant_bytes

@@ -50,13 +50,17 @@ def _render(console, result) -> None:
         return f"{(b - a) / a:+.1%}"
 
     a, b = result.original, result.rewritten
-    table = Table(title="Peak memory on the stand-in device (variables included)", title_justify="left")
+    table = Table(title="Peak memory on the stand-in device (variables included)", title_justify="left",
+                  caption="measured and simulated: the graph as written, TensorFlow's optimizations off; "
+                          "optimized: the graph TensorFlow runs, as lms plans for it (prove it with --gpu-mem)",
+                  caption_justify="left")
     table.add_column("")
     table.add_column("original", justify="right")
     table.add_column("rewritten", justify="right")
     table.add_column("change", justify="right")
     rows = [("measured", a.measured.peak_bytes if a.measured else None, b.measured.peak_bytes if b.measured else None),
             ("simulated", a.simulated_peak_bytes, b.simulated_peak_bytes),
+            ("optimized, predicted", a.run_peak_bytes, b.run_peak_bytes),
             ("Grappler", a.grappler_peak_bytes, b.grappler_peak_bytes)]
     for label, x, y in rows:
         table.add_row(label, size(x), size(y), change(x, y))
@@ -125,7 +129,7 @@ def _limit(text: str, predicted_bytes: int) -> int:
 @click.option("--gpu-mem", metavar="SIZE",
               help="Prove it under a hard memory limit: both graphs train on a stand-in GPU (a TensorFlow server "
                    "process whose allocator is limited to SIZE, swaps going to a second process); e.g. 12MiB, "
-                   "or N%% of the original's predicted need.")
+                   "or N% of the original's predicted need.")
 @click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True,
               help="With --gpu-mem: runs per graph (the executor's order varies between runs).")
 @click.option("--no-tf-optimize", is_flag=True,
@@ -180,7 +184,7 @@ def _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, o
     if as_json:
         doc = {"schema": "lms.verify", "version": 1, "identical": proof.identical,
                "first_difference": proof.difference, "first_different_variable": None, "steps": steps,
-               "batch_size": batch_size or 1, "loss": loss, "variables": None, "outputs": None,
+               "batch_size": batch_size, "loss": loss, "variables": None, "outputs": None,
                "fetches": list(model_a.fetches), "notes": list(proof.notes), "limit": proof.to_dict(),
                "original": {"predicted_bytes": prediction_a.predicted_bytes,
                             "predicted_standin_bytes": prediction_a.predicted_standin_bytes,
@@ -192,8 +196,13 @@ def _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, o
     else:
         _render_limit(_console(no_color), proof, (prediction_a, prediction_b))
     if not proof.rewritten.fits:
+        hint = ""
+        if prediction_b.predicted_standin_bytes > proof.limit_bytes:
+            hint = (f" (predicted for the stand-in: {prediction_b.predicted_standin_bytes:,} bytes, with its CPU "
+                    "kernels' scratch and the CPU executor's op order; a plan for a GPU does not plan for those: "
+                    "make the plan to prove with `lms rewrite --stand-in`)")
         raise realmem.RewrittenOutOfMemory(f"{model_b.path} ran out of memory on the stand-in GPU at "
-                                           f"{proof.limit_bytes:,} bytes: {proof.rewritten.message}")
+                                           f"{proof.limit_bytes:,} bytes: {proof.rewritten.message}{hint}")
     if proof.identical is False:
         raise verifier.DifferentResults(f"{model_b.path} computes different results from {model_a.path} at the "
                                         f"limit: {proof.difference}")

@@ -82,7 +82,15 @@ def test_edges_levels_and_largest_op_by_brute_force(samples, name):
         key=lambda x: (x[0], [-ord(c) for c in x[1]]),
     )
     assert result.largest_op.bytes == best[0]
-    assert result.active_vertices == len(pruned.node)
+    # A step runs the fetches' ancestors, less what Grappler prunes as unused (gradients nobody
+    # reads, kept in the graph only by control edges): those are gone from its optimized graph.
+    from lmscli import api
+
+    prepared = api.prepare(model)
+    kept = {n.name for n in prepared.optimized.node}
+    dead = {n.name for n in pruned.node} & prepared.dead
+    assert not dead & kept
+    assert result.active_vertices == len(pruned.node) - len(dead)
 
 
 @pytest.mark.parametrize("name", TRAINING_SAMPLES + ["frozen_cnn"])
@@ -151,3 +159,75 @@ def test_analyze_every_format_cli(samples, runner, name):
     result = invoke(runner, "analyze", samples / name, "--no-color")
     assert result.exit_code == 0, result.stderr
     assert "peak memory" in result.stdout
+
+
+def _gelu_dropout_net(path):
+    """A GELU (tanh form) and dropout MLP as tf.compat.v1 builds it: its gradients w.r.t. the
+    constants 0.5 and 3 and w.r.t. the dropout mask are in the graph, unused."""
+    from lmscli.tfimport import tensorflow
+
+    tf = tensorflow()
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(0)
+        x = v1.placeholder(tf.float32, [512, 256], name="inputs")
+        y = v1.placeholder(tf.float32, [512, 10], name="labels")
+        h = x
+        for layer in range(3):
+            w = v1.get_variable(f"w{layer}", [256, 256], initializer=v1.truncated_normal_initializer(0, 0.05, seed=layer))
+            h = tf.matmul(h, w)
+            h = 0.5 * h * (1.0 + tf.tanh(0.7978845608 * (h + 0.044715 * tf.pow(h, 3.0))))
+            keep = tf.cast(tf.random.uniform(tf.shape(h), seed=10 + layer) >= 0.1, tf.float32)
+            h = h * keep / 0.9
+        head = v1.get_variable("head", [256, 10], initializer=v1.truncated_normal_initializer(0, 0.05, seed=9))
+        logits = tf.matmul(h, head)
+        loss = tf.identity(tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(labels=y, logits=logits)), name="loss")
+        v1.add_to_collection("train_op", v1.train.GradientDescentOptimizer(0.1).minimize(loss))
+        v1.train.export_meta_graph(str(path), graph=graph)
+    return path
+
+
+def test_ops_grappler_prunes_as_unused_leave_the_schedule(tmp_path):
+    """tf.gradients adds gradients nobody reads (w.r.t. constants, the dropout mask); only control
+    edges keep them in the step as written, and Grappler prunes them. Left in, they hold
+    activations into the backward pass: the schedule's peak was far above what TensorFlow runs."""
+    from lmscli import api
+    from lmscli.errors import NoFitError
+    from lmscli.prove import steps
+    from lmscli.simulator import simulate
+
+    model = api.load(str(_gelu_dropout_net(tmp_path / "gelu.meta")))
+    pruned = api.prepare(model)
+    written = api.prepare(model, prune_dead=False)
+    assert pruned.dead and any("Pow_grad" in name for name in pruned.dead)
+    assert not pruned.dead & set(pruned.schedule.names)
+    assert set(pruned.schedule.names) < set(written.schedule.names)
+    peak, as_written = simulate(pruned.schedule).peak_bytes, simulate(written.schedule).peak_bytes
+    run = pruned.run_peak_bytes
+    assert as_written > 1.2 * run  # the dead gradients' inputs live into the backward pass
+    assert abs(peak - run) <= 0.02 * run
+    device = api.make_device(gpu_mem=int(0.7 * run), reserve=0.0)
+    with pytest.raises(NoFitError):  # the dead readers keep 70% out of reach
+        api.tune(written, device)
+    result = api.tune(pruned, device)
+    assert result.fits and result.plan.swaps
+    new_graph, _ = api.rewrite(pruned, result.plan)
+    before = steps.run_steps(model.meta_graph, model.fetches, steps=2)
+    assert steps.first_difference(before, steps.run_steps(new_graph, model.fetches, steps=2)) is None
+
+
+def test_schedule_without_ops():
+    """Dropping ops: their outputs go, their inputs' lifetimes end at the remaining readers."""
+    from lmscli.schedule import Schedule, SimTensor
+
+    sched = Schedule(nodes=(0, 1, 2, 3), names=("a", "b", "dead", "c"), ops=("MatMul",) * 4, levels=(0, 1, 2, 3),
+                     compute=(1, 1, 1, 1), on_gpu=(True,) * 4,
+                     tensors=(SimTensor(0, 0, 0, 100, (1, 2, 3)), SimTensor(1, 1, 0, 50, (2,)), SimTensor(2, 2, 0, 70, ())),
+                     inputs=((), (0,), (0, 1), (0,)), variable_bytes=8, constant_bytes=0).with_memory_model("executor")
+    pruned = sched.without({"dead"})
+    assert pruned.names == ("a", "b", "c")
+    assert [(t.producer, t.num_bytes, t.consumers) for t in pruned.tensors] == [(0, 100, (1, 2)), (1, 50, ())]
+    assert pruned.inputs == ((), (0,), (0,))
+    assert pruned.resident_bytes == 8 and pruned.memory_model == "executor" and len(pruned.shares) == 2
+    assert sched.without(set()) is sched

@@ -23,6 +23,8 @@ from lmscli import timing
 from lmscli.errors import EXIT_OUT_OF_MEMORY, LmsError
 from lmscli.units import format_size
 
+MIB = 1 << 20
+
 SCHEMA_VERSION = 1
 
 
@@ -181,6 +183,11 @@ def prove_at_limit(original, rewritten, limit_bytes: int, steps: int = 1, runs: 
     owned = stand_in is None
     stand_in = stand_in or StandIn(optimize=optimize)
     notes = []
+    whole = limit_bytes // MIB * MIB  # the allocator's limit is set in whole MiB
+    if whole != limit_bytes:
+        notes.append(f"the stand-in's allocator takes its limit in whole MiB: {limit_bytes:,} bytes run as "
+                     f"{format_size(whole)}")
+        limit_bytes = whole
     try:
         at_limit = stand_in.run(meta_a, fetches, limit_bytes, batch_size=batch, steps=steps, runs=runs, loss=loss)
         reference = stand_in.run(meta_a, fetches, None, batch_size=batch, steps=steps, runs=1, loss=loss)

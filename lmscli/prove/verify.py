@@ -32,6 +32,7 @@ class GraphFigures:
     swap_nodes: int
     simulated_forwarding_peak_bytes: int | None = None  # simulated, forwarded buffers counted once
     variable_bytes: int | None = None  # declared variable storage (the simulator's resident variables)
+    run_peak_bytes: int | None = None  # predicted for the graph TensorFlow runs (Grappler-optimized)
 
     def measured_vs_simulated(self) -> float | None:
         """measured / simulated peak (resident variables in both)."""
@@ -49,6 +50,7 @@ class GraphFigures:
                 "grappler_peak_bytes": self.grappler_peak_bytes,
                 "simulated_forwarding_peak_bytes": self.simulated_forwarding_peak_bytes,
                 "variable_bytes": self.variable_bytes,
+                "run_peak_bytes": self.run_peak_bytes,
                 "swap_nodes": self.swap_nodes}
 
 
@@ -57,7 +59,7 @@ class Verification:
     identical: bool
     difference: Difference | None
     steps: int
-    batch_size: int
+    batch_size: int | None  # --batch-size (unknown batch dimensions), None when not given
     loss: str | None
     variables: int
     fetches: tuple[str, ...]
@@ -105,7 +107,7 @@ def _figures(model, fetches, batch_size, measure: bool, notes: list, label: str,
         notes.append(f"{label}: {len(gpu_ops)} GPU-only copy ops ({kinds}) run as Identity")
     _check_cpu_kernels(meta.graph_def)
     model = api.Model(model.path, model.format, meta, tuple(fetches), model.fetch_source, list(model.notes))
-    prepared = api.prepare(model, batch_size=batch_size)
+    prepared = api.prepare(model, batch_size=batch_size, prune_dead=False)  # measured as written: Grappler off
     unknown = _unknown_placeholders(prepared.graph_def)
     if unknown:
         raise InputError(f"{model.path}: placeholder {unknown[0]} has an unknown dimension; pass --batch-size N")
@@ -132,7 +134,8 @@ def _figures(model, fetches, batch_size, measure: bool, notes: list, label: str,
         measured = measure_peak(meta, model.fetches, batch_size or 1, order=order)
         notes.extend(f"{label}: {n}" for n in measured.notes)
     figures = GraphFigures(measured, simulated, grappler_peak, len(placed.swap_outs) + len(placed.swap_ins),
-                           forwarding_peak(schedule) + schedule.resident_bytes, schedule.variable_bytes)
+                           forwarding_peak(schedule) + schedule.resident_bytes, schedule.variable_bytes,
+                           prepared.run_peak_bytes)
     return meta, figures
 
 
@@ -183,5 +186,5 @@ def verify(original, rewritten, steps: int = 2, batch_size: int | None = None, m
         else:
             text += ", which does not explain the gap"
         notes.append(text)
-    return Verification(diff is None, diff, steps, run_batch, loss, len(a.variables), fetches,
+    return Verification(diff is None, diff, steps, batch_size, loss, len(a.variables), fetches,
                         figures_a, figures_b, tuple(notes), len(a.outputs[0]) if a.outputs else 0)
