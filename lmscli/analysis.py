@@ -41,6 +41,7 @@ class Prepared:
     observed_order: tuple = ()  # an execution order observed in a real run, followed by the schedules
     observed_micros: object = None  # op times observed in that run (node name -> microseconds)
     dead: frozenset = frozenset()  # ops Grappler prunes as unused, left out of the schedules
+    untaken: frozenset = frozenset()  # ops of the smaller branch of each v1 cond, left out likewise
 
     @functools.cached_property
     def run_peak_bytes(self) -> int | None:
@@ -65,7 +66,7 @@ class Prepared:
         trace = self.trace.observed(order, micros) if self.trace is not None else None
         if trace is None:
             return self.with_scratch(scratch or {})
-        schedules = tuple(s.without(self.dead) for s in build_schedules(
+        schedules = tuple(s.without(self.dead | self.untaken) for s in build_schedules(
             self.view, self.model.fetches, trace=trace, memory_model=self.schedule.memory_model))
         chosen = next((s for s in schedules if s.device == self.schedule.device), schedules[0])
         seen = replace(self, schedule=chosen, schedules=schedules, observed_order=tuple(order),
@@ -98,7 +99,8 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
     computing what Grappler's default optimizations make of the graph (the optimizer guard needs it).
     ``prune_dead`` (default: under the executor judge) leaves out of the schedule the ops those
     optimizations prune as unused (:func:`lmscli.grappler.dead_nodes`): a Session never runs them,
-    and in the graph as written they hold tensors into the backward pass.
+    and in the graph as written they hold tensors into the backward pass; and the smaller branch
+    of each v1 cond (:meth:`GraphView.untaken_branches`), as a step runs one.
     """
     from lmscli import shapes
 
@@ -142,14 +144,16 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
         raise
     optimized = pending() if pending is not None else None
     fused = grappler.fused_away(meta.graph_def, optimized)
-    dead = frozenset()
+    dead = untaken = frozenset()
     if prune_dead if prune_dead is not None else judge == "executor":
         dead = grappler.dead_nodes(meta.graph_def, optimized, model.fetches)
-        if dead:
-            schedules = tuple(s.without(dead) for s in schedules)
+        ran = [i for i in schedule.nodes if view.names[i] not in dead]
+        untaken = frozenset(view.names[i] for i in view.untaken_branches(ran))
+        if dead or untaken:
+            schedules = tuple(s.without(dead | untaken) for s in schedules)
             schedule = next(s for s in schedules if s.device == schedule.device)
     return Prepared(model, graph_def, view, schedule, batch_size, tuple(changed), fused, schedules, optimized,
-                    trace=trace, dead=dead)
+                    trace=trace, dead=dead, untaken=untaken)
 
 
 @timed("judge")
@@ -459,6 +463,13 @@ def _dead_notes(prepared: Prepared) -> tuple[str, ...]:
             "TensorFlow's optimizations prune them, so the schedule leaves them out",)
 
 
+def _branch_notes(prepared: Prepared) -> tuple[str, ...]:
+    if not prepared.untaken:
+        return ()
+    return (f"a step runs one branch of each cond: the smaller branches ({len(prepared.untaken)} op(s)) are left "
+            "out of the schedule, and tensors read in them are never swapped",)
+
+
 def _loop_notes(view: GraphView, active) -> tuple[str, ...]:
     """A note when the step runs v1 while loops: their bodies are counted for one iteration."""
     frames = {view.frames[i] for i in active if view.frames[i]}
@@ -497,7 +508,7 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
         param_bytes = all_var_bytes
     else:
         param_bytes = sum(variable_bytes(view, i) for i in var_nodes if view.names[i] in trainable)
-    cands = candidates(view, schedule, filters, prepared.fused)
+    cands = candidates(view, schedule, filters, prepared.fused, untaken=prepared.untaken)
     lb, lb_pos = lower_bound(prepared, set(cands), result)
     devices = []
     for other in prepared.schedules or (schedule,):
@@ -505,7 +516,7 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
             facts = (result.peak_bytes, lb, len(cands))
         else:
             alone = prepared.for_device(other.device)
-            other_cands = candidates(view, other, filters, prepared.fused)
+            other_cands = candidates(view, other, filters, prepared.fused, untaken=prepared.untaken)
             base = simulate(other)
             facts = (base.peak_bytes, lower_bound(alone, set(other_cands), base)[0], len(other_cands))
         devices.append(DeviceFacts(other.device, sum(other.on_gpu), facts[0], other.resident_bytes, facts[1], facts[2]))
@@ -531,7 +542,8 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
         format=model.format,
         fetches=tuple(model.fetches),
         fetch_source=model.fetch_source,
-        notes=tuple(model.notes) + _call_notes(view, active) + _dead_notes(prepared) + _loop_notes(view, active),
+        notes=tuple(model.notes) + _call_notes(view, active) + _dead_notes(prepared) + _branch_notes(prepared)
+              + _loop_notes(view, active),
         batch_size=prepared.batch_size,
         vertices=view.size,
         active_vertices=len(active),

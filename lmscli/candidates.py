@@ -123,12 +123,14 @@ class Candidate:
 
 
 def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters(),
-               fused: frozenset = frozenset(), forbidden: frozenset = frozenset()) -> dict[int, Candidate]:
+               fused: frozenset = frozenset(), forbidden: frozenset = frozenset(),
+               untaken: frozenset = frozenset()) -> dict[int, Candidate]:
     """Candidate tensors of ``schedule`` keyed by tensor id (see the module docstring). Nodes in
     ``fused`` (removed by Grappler's optimizations) neither produce swapped tensors (except an
     activation folded into its producer's kernel, see :func:`absorbed`) nor read swap-ins;
     tensors named in ``forbidden`` (``"node:output"``, e.g. found by the optimizer guard) are
-    never swapped."""
+    never swapped, nor tensors read by a node in ``untaken`` (the cond branch the schedule leaves
+    out: if it is the one that runs, it must find the tensor on the GPU)."""
     out: dict[int, Candidate] = {}
     no_gain = _no_gain(schedule)
     for t in schedule.tensors:
@@ -142,6 +144,8 @@ def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters()
         if view.names[node] in fused and not absorbed(view, node, fused):
             continue
         if forbidden and f"{view.names[node]}:{t.output}" in forbidden:
+            continue
+        if untaken and any(view.names[dst] in untaken for dst, _port, out in view.consumers[node] if out == t.output):
             continue
         info = view.tensor(node, t.output)
         if info is None or info.num_bytes is None or info.itemsize == 0 or (info.rank or 0) < 2:

@@ -254,6 +254,49 @@ class GraphView:
             depth[i] = best
         return depth
 
+    def branch_tags(self) -> list[frozenset]:
+        """Per node, the v1 cond branches it runs in: ``(predicate, port)`` pairs, where the
+        predicate is the ``(node, output)`` tensor the cond's Switches test and port 1 is the true
+        branch. A Switch output opens a branch, a Merge closes it (its inputs' tags, intersected);
+        control edges carry tags too (a branch's constants hang on its pivot). Loop frames are
+        left untagged (their Switch/Merge pairs are the loop's)."""
+        tags: list[frozenset] = [frozenset()] * self.size
+        switches = ("Switch", "RefSwitch")
+        for i in self.order:
+            if self.frames[i]:
+                continue
+            merge = self.ops[i] in ("Merge", "RefMerge")
+            acc = None
+            for src, output in self.data_inputs[i]:
+                t = tags[src]
+                if self.ops[src] in switches and not self.frames[src] and len(self.data_inputs[src]) > 1:
+                    t = t | {(self.data_inputs[src][1], output)}
+                acc = t if acc is None else (acc & t if merge else acc | t)
+            for src in self.control_inputs[i]:
+                acc = tags[src] if acc is None else acc | tags[src]
+            tags[i] = acc or frozenset()
+        return tags
+
+    def untaken_branches(self, nodes: Iterable[int]) -> frozenset:
+        """Of each v1 cond among ``nodes`` with ops in both branches, the nodes of the branch with
+        fewer output bytes (the true branch is kept on a tie): a step runs one branch, and
+        counting the larger one is an upper bound for either."""
+        tags = self.branch_tags()
+        members: dict[tuple, set[int]] = {}
+        for i in nodes:
+            for tag in tags[i]:
+                members.setdefault(tag, set()).add(i)
+
+        def size(group: set[int]) -> int:
+            return sum(info.num_bytes or 0 for i in group for info in self.outputs(i))
+
+        drop: set[int] = set()
+        for pred in sorted({pred for pred, _port in members}):
+            false, true = members.get((pred, 0), set()), members.get((pred, 1), set())
+            if false and true:
+                drop |= false if size(false) <= size(true) else true
+        return frozenset(drop)
+
     def ancestors(self, roots: Iterable[int]) -> set[int]:
         """All nodes that ``roots`` depend on (data or control), roots included."""
         seen = set()

@@ -194,7 +194,10 @@ def dead_nodes(graph_def, optimized, fetches) -> frozenset:
             if src not in reached and src in producers:
                 reached.add(src)
                 stack.append(src)
-    return frozenset(producers.keys() - reached)
+    ops = {node.name: node.op for node in graph_def.node}
+    # Control-only ops (the NoOps of tf.gradients' tuple groups) hold no memory: they stay, as the
+    # order constraints and swap-in triggers they are in the graph as written.
+    return frozenset(name for name in producers.keys() - reached if ops[name] != "NoOp")
 
 
 def fused_away(graph_def, optimized) -> frozenset:

@@ -91,7 +91,8 @@ class _Context:
         self.view = prepared.view
         self.schedule: Schedule = prepared.schedule
         self.device = device
-        self.cands: dict[int, Candidate] = candidates(self.view, self.schedule, filters, prepared.fused, forbidden)
+        self.cands: dict[int, Candidate] = candidates(self.view, self.schedule, filters, prepared.fused, forbidden,
+                                                     prepared.untaken)
         sched = self.schedule
         pos_of = {node: k for k, node in enumerate(sched.nodes)}
         self.preds: list[list[int]] = []
