@@ -252,7 +252,7 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
             guard_rounds += 1
             if search.found and timing.out_of_time():  # a judged, guarded plan is at hand: settle for it
                 result = _time_limited(search.best(), rounds)
-                search.done = True
+                search.done = search.timed_out = True
                 continue
             if guard_rounds <= GUARD_ROUNDS:  # plan again without them ...
                 timing.step(f"round {rounds}: {len(tensors)} swap(s) change Grappler's optimizations; replanning")
@@ -296,8 +296,10 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
                             raise
                 best = search.best()
                 search.done = True
-                if search.timed_out:
+                if search.timed_out and not result.time_limited:
                     best = _time_limited(best, rounds)
+                elif search.timed_out:
+                    best = result  # already settled on (and marked) in an earlier round
                 if best is not result:
                     result = best
                     meta, _ = rewrite(prepared, result.plan, host_device=host_device, force=True)
