@@ -42,8 +42,9 @@ def test_optimizations_in_a_second_process_equal_the_in_process_ones():
         import os
         from lmscli import api, grappler
         model = api.load({str(ROOT / "sample_graphs" / "cnn.meta")!r})
+        forkable = grappler._may_fork()  # this process runs no more threads than after importing TF
         pending = grappler.optimize_in_parallel(model.meta_graph, model.fetches)
-        assert pending.pid is not None, "expected a forked child"
+        assert (pending.pid is not None) == forkable
         forked = pending()
         here = grappler.optimize(model.meta_graph, model.fetches)
         assert forked.SerializeToString(deterministic=True) == here.SerializeToString(deterministic=True)
@@ -61,6 +62,9 @@ def test_cancelled_child_is_reaped():
         import os
         from lmscli import api, grappler
         model = api.load({str(ROOT / "sample_graphs" / "resnet50.meta")!r})
+        if not grappler._may_fork():
+            print("ok")  # nothing forked on this system: nothing to reap
+            raise SystemExit(0)
         pending = grappler.optimize_in_parallel(model.meta_graph, model.fetches)
         pid = pending.pid
         assert pid is not None
