@@ -1,7 +1,7 @@
 """Where a command's time goes: named phases, recorded by the library, shown by the CLI.
 
-The library marks its expensive steps with ``with timing.phase("grappler: optimize"):`` and
-reports what it is trying with ``timing.step("round 2: ...")``. Both cost nothing unless a
+The library marks its expensive steps with ``@timed("Grappler's optimizations")`` (or ``with
+phase(...)``) and reports what it is trying with ``step("round 2: ...")``. Both cost nothing unless a
 :class:`Clock` is active (``with Clock(listener) as clock:``): the CLI activates one to drive its
 progress line and ``--profile``; benchmarks activate one to print a per-phase table. Phases nest;
 the time of a phase includes the phases inside it. The clock also carries an optional deadline
@@ -106,11 +106,6 @@ def out_of_time() -> bool:
     """Has the active clock's deadline passed? (False without a clock or a deadline.)"""
     clock = _CLOCK.get()
     return clock is not None and clock.deadline is not None and time.monotonic() >= clock.deadline
-
-
-def deadline_set() -> bool:
-    clock = _CLOCK.get()
-    return clock is not None and clock.deadline is not None
 
 
 def timed(name: str):
