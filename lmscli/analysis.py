@@ -40,7 +40,7 @@ class Prepared:
     trace: object = None  # Grappler's trace the schedules were built from (None: roofline model)
     observed_order: tuple = ()  # an execution order observed in a real run, followed by the schedules
     observed_micros: object = None  # op times observed in that run (node name -> microseconds)
-    dead: frozenset = frozenset()  # ops Grappler prunes as unused, left out of the schedules
+    dead: frozenset = frozenset()  # ops of the step Grappler prunes as unused, left out of the schedules
     untaken: frozenset = frozenset()  # ops of the smaller branch of each v1 cond, left out likewise
 
     @functools.cached_property
@@ -146,9 +146,10 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
     fused = grappler.fused_away(meta.graph_def, optimized)
     dead = untaken = frozenset()
     if prune_dead if prune_dead is not None else judge == "executor":
-        dead = grappler.dead_nodes(meta.graph_def, optimized, model.fetches)
-        ran = [i for i in schedule.nodes if view.names[i] not in dead]
-        untaken = frozenset(view.names[i] for i in view.untaken_branches(ran))
+        pruned = grappler.dead_nodes(meta.graph_def, optimized, model.fetches)
+        dead = frozenset(view.names[i] for i in schedule.nodes if view.names[i] in pruned)
+        untaken = frozenset(view.names[i] for i in view.untaken_branches(
+            i for i in schedule.nodes if view.names[i] not in dead))
         if dead or untaken:
             schedules = tuple(s.without(dead | untaken) for s in schedules)
             schedule = next(s for s in schedules if s.device == schedule.device)
@@ -455,11 +456,9 @@ def _executor_binding(schedule: Schedule, swappable: set[int], base: SimResult) 
 
 def _dead_notes(prepared: Prepared) -> tuple[str, ...]:
     """A note when ops of the step as written are left out because Grappler prunes them."""
-    ran = prepared.view.ancestors([prepared.view.index[name] for name in prepared.model.fetches])
-    dead = sum(1 for i in ran if prepared.view.names[i] in prepared.dead)
-    if not dead:
+    if not prepared.dead:
         return ()
-    return (f"{dead} op(s) compute results nothing reads (gradients with respect to constants or dropout masks): "
+    return (f"{len(prepared.dead)} op(s) compute results nothing reads (gradients with respect to constants or dropout masks): "
             "TensorFlow's optimizations prune them, so the schedule leaves them out",)
 
 

@@ -251,8 +251,8 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
             forbidden.update(tensors)
             guard_rounds += 1
             if search.found and timing.out_of_time():  # a judged, guarded plan is at hand: settle for it
-                result = _time_limited(search.best(), rounds)
-                search.done = search.timed_out = True
+                search.timed_out = True
+                result = search.settle(rounds)
                 continue
             if guard_rounds <= GUARD_ROUNDS:  # plan again without them ...
                 timing.step(f"round {rounds}: {len(tensors)} swap(s) change Grappler's optimizations; replanning")
@@ -262,8 +262,7 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
                 except NoFitError:
                     if not search.found:
                         raise
-                    result = search.best()  # judged and guarded already: settle for it
-                    search.done = True
+                    result = search.settle(rounds)  # judged and guarded already: settle for it
                 continue
             else:  # ... or, after that many rounds, just drop them from the plan
                 result = replace(result, plan=optguard.without(result.plan, tensors, ()))
@@ -294,12 +293,7 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
                     except NoFitError:
                         if not search.found:
                             raise
-                best = search.best()
-                search.done = True
-                if search.timed_out and not result.time_limited:
-                    best = _time_limited(best, rounds)
-                elif search.timed_out:
-                    best = result  # already settled on (and marked) in an earlier round
+                best = search.settle(rounds)
                 if best is not result:
                     result = best
                     meta, _ = rewrite(prepared, result.plan, host_device=host_device, force=True)
@@ -324,12 +318,6 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
     raise NoFitError(f"the simulator found plans, but Grappler's estimate stayed over the budget after "
                      f"{GRAPPLER_ROUNDS} rounds (last {figures['peak_bytes']:,} bytes > {device.budget:,}); "
                      "try a slightly larger --gpu-mem", budget_bytes=device.budget)
-
-
-def _time_limited(result: TuneResult, rounds: int) -> TuneResult:
-    line = (f"[LMS] stopped at --time-limit after {rounds} round(s): the best fitting plan found by then "
-            "(more time may find one that swaps less)")
-    return replace(result, time_limited=True, log=result.log + (line,))
 
 
 def _run_margin(prepared: Prepared, device: Device, options: TuneOptions) -> int:
@@ -390,6 +378,19 @@ class _RunSearch:
                              f"still needs {peak:,} bytes > {self.budget:,} after {self.rounds} round(s); try a "
                              "slightly larger --gpu-mem", budget_bytes=self.budget)
         return min(self.found, key=lambda r: (r.plan.swap_out_bytes, r.plan.predicted["run_peak_bytes"]))
+
+    def settle(self, rounds: int):
+        """Stop searching: the best plan found, marked when --time-limit stopped the search (the
+        mark is kept with the plan, so settling again returns the same marked plan)."""
+        self.done = True
+        best = self.best()
+        if self.timed_out and not best.time_limited:
+            line = (f"[LMS] stopped at --time-limit after {rounds} round(s): the best fitting plan found by then "
+                    "(more time may find one that swaps less)")
+            marked = replace(best, time_limited=True, log=best.log + (line,))
+            self.found = [marked if r is best else r for r in self.found]
+            best = marked
+        return best
 
 
 RUN_ROUNDS = 5

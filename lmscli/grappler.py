@@ -7,8 +7,10 @@ variable storage, so callers add resident bytes themselves.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
+from lmscli import timing
 from lmscli.errors import LmsError
 from lmscli.tfimport import tensorflow
 from lmscli.timing import timed
@@ -230,10 +232,6 @@ def optimize_in_parallel(meta_graph, fetches) -> "Pending":
     here. ``LMS_NO_FORK=1`` turns it off."""
     if not _may_fork():
         return Pending(meta_graph, fetches)
-    import os
-
-    from lmscli import timing
-
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: optimize, send the result, leave without running the parent's exit code
@@ -260,10 +258,6 @@ class Pending:
     def __call__(self):
         if self.pid is None:
             return optimize(self.meta_graph, self.fetches)
-        import os
-
-        from lmscli import timing
-
         with timing.phase("Grappler's optimizations (second process)"):
             with os.fdopen(self.pipe, "rb") as pipe:
                 data = pipe.read()
@@ -282,7 +276,6 @@ class Pending:
     def cancel(self) -> None:
         if self.pid is None:
             return
-        import os
         import signal
 
         os.kill(self.pid, signal.SIGKILL)
@@ -292,8 +285,6 @@ class Pending:
 
 
 def _may_fork() -> bool:
-    import os
-
     if os.environ.get("LMS_NO_FORK") == "1" or not hasattr(os, "fork"):
         return False
     try:

@@ -252,12 +252,10 @@ def tune_log_lines(result) -> Iterable[str]:
     pred = result.plan.predicted
     budget = ("with no budget (TFLMS parameters given)" if _unbounded(result.plan) else
               f"under a budget of {format_size(result.budget)}")
-    run = pred.get("run_peak_bytes")
-    if run is not None:  # the judge's figure: the graph TensorFlow runs, after Grappler's optimizations
-        yield (f"[LMS] Predicted peak {format_size(run)} {budget} (the graph TensorFlow runs; "
-               f"{format_size(pred['peak_bytes'])} as written); overhead {_pct(pred['overhead'])}")
-    else:
-        yield f"[LMS] Predicted peak {format_size(pred['peak_bytes'])} {budget}; overhead {_pct(pred['overhead'])}"
+    peak, written = format_size(pred["peak_bytes"]), ""
+    if pred.get("run_peak_bytes") is not None:  # the judge's figure: the graph TensorFlow runs, optimized
+        peak, written = format_size(pred["run_peak_bytes"]), f" (the graph TensorFlow runs; {peak} as written)"
+    yield f"[LMS] Predicted peak {peak} {budget}{written}; overhead {_pct(pred['overhead'])}"
 
 
 def render_rewrite(console: Console, report, output: str | None, dry_run: bool, event_file: str | None = None) -> None:

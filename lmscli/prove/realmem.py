@@ -23,8 +23,6 @@ from lmscli import timing
 from lmscli.errors import EXIT_OUT_OF_MEMORY, LmsError
 from lmscli.units import format_size
 
-MIB = 1 << 20
-
 SCHEMA_VERSION = 1
 
 
@@ -174,7 +172,7 @@ def prove_at_limit(original, rewritten, limit_bytes: int, steps: int = 1, runs: 
     bit for bit what the original computes. (Under a tight limit the same graph may compute
     differently in the last bits, which a note reports.)"""
     from lmscli.prove.steps import compare, default_loss
-    from lmscli.prove.standin import StandIn
+    from lmscli.prove.standin import StandIn, _check_limit
 
     fetches = tuple(original.fetches)
     meta_a, meta_b = _runnable(original), _runnable(rewritten)
@@ -183,7 +181,7 @@ def prove_at_limit(original, rewritten, limit_bytes: int, steps: int = 1, runs: 
     owned = stand_in is None
     stand_in = stand_in or StandIn(optimize=optimize)
     notes = []
-    whole = limit_bytes // MIB * MIB  # the allocator's limit is set in whole MiB
+    whole = _check_limit(limit_bytes)  # the allocator's limit is set in whole MiB
     if whole != limit_bytes:
         notes.append(f"the stand-in's allocator takes its limit in whole MiB: {limit_bytes:,} bytes run as "
                      f"{format_size(whole)}")
