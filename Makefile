@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: install test demo samples lint bench bench-quick bench-real bench-speed clean
+.PHONY: install test demo samples lint bench bench-quick bench-real bench-speed bench-hybrid clean
 
 install: $(STAMP)
 
@@ -34,6 +34,7 @@ lint: install
 bench: install
 	$(BIN)/python bench/run.py
 	$(MAKE) bench-speed
+	$(MAKE) bench-hybrid
 
 # tf-keras only for the benchmark's tf_keras graphs, and with --no-deps: its metadata asks for the
 # full tensorflow wheel, which would replace tensorflow-cpu.
@@ -46,6 +47,9 @@ bench-quick: install
 
 bench-real: install
 	$(BIN)/python bench/realmem.py
+
+bench-hybrid: install
+	$(BIN)/python bench/hybrid.py
 
 clean:
 	rm -rf $(VENV) out build *.egg-info .pytest_cache

@@ -80,7 +80,7 @@ def optimizer_culprits(prepared: Prepared, plan: Plan, rewritten, optimized=None
     ``optimized``: what those optimizations make of ``rewritten``, if already known."""
     from lmscli import grappler, optguard
 
-    if prepared.optimized is None or not (plan.swaps or plan.serialize):
+    if prepared.optimized is None or not (plan.edits or plan.serialize):
         return (), ()
     if optimized is None:
         optimized = grappler.optimize(rewritten, prepared.model.fetches)
@@ -239,10 +239,11 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
     rounds = 0
     while True:
         rounds += 1
-        timing.step(f"round {rounds}: checking a plan of {len(result.plan.swaps)} swap(s)")
+        timing.step(f"round {rounds}: checking a plan of {len(result.plan.swaps)} swap(s)"
+                    + (f" and {len(result.plan.recomputes)} recomputation(s)" if result.plan.recomputes else ""))
         meta, _ = rewrite(prepared, result.plan, host_device=host_device, force=True)
         optimized = None
-        if guard or (executor and result.plan.swaps):
+        if guard or (executor and result.plan.edits):
             from lmscli import grappler
 
             optimized = grappler.optimize(meta, prepared.model.fetches)
@@ -269,9 +270,9 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
                 continue
         if executor and not manual and len(prepared.schedules) <= 1 and prepared.run_peak_bytes is not None:
             # The judge: the executor model on the graph the Session runs (Grappler-optimized).
-            peak = (run_peak(prepared, meta, optimized, device.link_bandwidth) if result.plan.swaps
+            peak = (run_peak(prepared, meta, optimized, device.link_bandwidth) if result.plan.edits
                     else prepared.run_peak_bytes)
-            if peak is not None and not result.plan.swaps and peak <= device.budget:
+            if peak is not None and not result.plan.edits and peak <= device.budget:
                 line = ("[LMS] [Simulator] LMS is not necessary: the graph TensorFlow runs after its optimizations "
                         f"needs {peak:,} bytes <= {device.budget:,}")
                 result = replace(result, necessary=False, log=result.log + (line,),
@@ -377,6 +378,13 @@ class _RunSearch:
             raise NoFitError(f"planned for the graph as written, but the graph TensorFlow runs after its optimizations "
                              f"still needs {peak:,} bytes > {self.budget:,} after {self.rounds} round(s); try a "
                              "slightly larger --gpu-mem", budget_bytes=self.budget)
+        if self.found[0].plan.strategy in ("hybrid", "recompute"):  # a short step, then the least moved
+            from lmscli.planner import STEP_TOLERANCE
+
+            fastest = min(r.plan.predicted["step_time_s"] for r in self.found)
+            fast = [r for r in self.found if r.plan.predicted["step_time_s"] <= fastest * (1 + STEP_TOLERANCE) + 1e-6]
+            return min(fast, key=lambda r: (r.plan.swap_out_bytes + r.plan.recompute_bytes,
+                                            r.plan.predicted["step_time_s"], r.plan.predicted["run_peak_bytes"]))
         return min(self.found, key=lambda r: (r.plan.swap_out_bytes, r.plan.predicted["run_peak_bytes"]))
 
     def settle(self, rounds: int):
@@ -475,7 +483,7 @@ def with_link_predictions(prepared: Prepared, result: TuneResult) -> TuneResult:
         base = step = 0.0
         peak = 0
         for schedule in prepared.schedules or (prepared.schedule,):
-            sim = simulate(schedule, to_sim(result.plan.swaps, schedule), LINKS[name], detail=False)
+            sim = simulate(schedule, to_sim(result.plan.edits, schedule), LINKS[name], detail=False)
             base = max(base, simulate(schedule, (), LINKS[name], detail=False).step_time)
             step, peak = max(step, sim.step_time), max(peak, sim.peak_bytes)
         per_link[name] = {"step_time_s": step, "overhead": round(step / base - 1.0, 6) if base else 0.0,
@@ -496,8 +504,8 @@ def replay(prepared: Prepared, plan: Plan) -> TuneResult:
     replays = []
     for schedule in prepared.schedules or (prepared.schedule,):
         baseline = simulate(schedule, (), device.link_bandwidth)
-        result = simulate(schedule, to_sim(plan.swaps, schedule), device.link_bandwidth)
+        result = simulate(schedule, to_sim(plan.edits, schedule), device.link_bandwidth)
         replays.append((result.peak_bytes, schedule.device, baseline, result))
     _peak, _name, baseline, result = max(replays, key=lambda r: r[0])
     filled = replace(plan, predicted=predicted(baseline, result, device.budget))
-    return TuneResult(filled, baseline, result, device.budget, bool(plan.swaps), ())
+    return TuneResult(filled, baseline, result, device.budget, bool(plan.edits), ())

@@ -183,8 +183,11 @@ def device_options(func):
 def plan_options(func):
     """How to plan (shared by tune and rewrite)."""
 
-    @click.option("--strategy", type=click.Choice(["lms", "tflms"]), default="lms", show_default=True,
-                  help="lms: per-tensor planning; tflms: TFLMS v2's parameter search.")
+    @click.option("--strategy", type=click.Choice(["hybrid", "swap", "recompute", "tflms", "lms"]), default="hybrid",
+                  show_default=True,
+                  help="hybrid: per tensor, swap or recompute, whichever costs less time on --link; swap: swaps only "
+                       "(lms is its former name); recompute: recomputation only (automatic gradient checkpointing); "
+                       "tflms: TFLMS v2's parameter search.")
     @click.option("--swapout-threshold", type=int, help="TFLMS: swap for consumers more than N levels away.")
     @click.option("--swapin-ahead", type=int, help="TFLMS: start swap-ins N levels before the consumer.")
     @click.option("--swapin-groupby", type=int, help="TFLMS: consumers within N levels share a swap-in.")
@@ -496,7 +499,8 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
     doc = {"schema": "lms.rewrite", "version": 1, "output": None if dry_run else output,
            "format": written, "dry_run": dry_run, "summary": rep.summary(),
            "swap_outs": rep.swap_outs, "swap_ins": rep.swap_ins, "swap_out_bytes": rep.swap_out_bytes,
-           "swap_in_bytes": rep.swap_in_bytes, "control_edges": rep.control_edges,
+           "swap_in_bytes": rep.swap_in_bytes, "recomputes": rep.recomputes, "recompute_bytes": rep.recompute_bytes,
+           "control_edges": rep.control_edges,
            "added_nodes": list(rep.added_nodes), "tensorboard_event_file": event_file,
            "time_limited": bool(result is not None and result.time_limited), "plan": plan.to_dict(), **details}
     with progress.phase("drawing", active=bool(plot or report_file)):

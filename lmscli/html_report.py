@@ -167,6 +167,9 @@ def _plan(doc: dict, svg: str | None) -> str:
         memory_rows.append(("Grappler's estimate", "-", f"{_size(grappler.get('peak_bytes'))} {verdict}", "-"))
     memory_rows.append(("swapped out / in", "-", f"{pred.get('swap_outs', 0)} / {pred.get('swap_ins', 0)} "
                         f"({_size(pred.get('swap_out_bytes'))} / {_size(pred.get('swap_in_bytes'))})", "-"))
+    if plan.get("recomputes"):
+        memory_rows.append(("recomputed", "-", f"{pred.get('recomputes', 0)} ({_size(pred.get('recompute_bytes'))}, "
+                            f"{_ms(pred.get('recompute_time_s', 0.0))} of GPU time)", "-"))
     if t0 is not None and t1 is not None:
         memory_rows.append(("step time", _ms(t0), _ms(t1), _pct(pred.get("overhead", 0.0))))
     parts += ["<h2>Memory before and after</h2>",
@@ -180,6 +183,8 @@ def _plan(doc: dict, svg: str | None) -> str:
     parts += ["<h2>Memory over one training step</h2>", _plot(svg),
               _top(doc.get("top_live_at_peak", ()), "Largest tensors live at the peak, with the plan")]
     parts.append(_swaps(plan.get("swaps", ()), levels))
+    if plan.get("recomputes"):
+        parts.append(_recomputes(plan["recomputes"], levels))
     chains = plan.get("serialize") or ()
     if chains:
         parts.append(f"<h2>Serialized chains ({len(chains)})</h2>")
@@ -225,6 +230,24 @@ def _swaps(swaps, levels) -> str:
                       "swap-in consumers and trigger (level)"), rows, numeric=(0, 2)))
 
 
+def _recomputes(recomputes, levels) -> str:
+    ordered = sorted(recomputes, key=lambda r: (-r["bytes"], r["tensor"]))
+    rows = []
+    for i, r in enumerate(ordered, 1):
+        producer = r["tensor"].rsplit(":", 1)[0]
+        groups = "<hr>".join(
+            _names(g["consumers"], levels) + f"<br>after {_code(g['trigger'])}"
+            + (f" (L{levels[g['trigger']]})" if g["trigger"] in levels else "")
+            for g in r.get("groups", ()))
+        rows.append((str(i), _code(r["tensor"]), _size(r["bytes"]),
+                     f"L{levels[producer]}" if producer in levels else "-",
+                     _names(r.get("ops", ()), levels), groups or "-"))
+    total = sum(r["bytes"] for r in recomputes)
+    return (f"<h2>Recomputed tensors ({len(recomputes)}, {_size(total)}, largest first)</h2>"
+            + _table(("#", "tensor", "size", "produced at", "ops cloned", "consumers of the clone, and the op "
+                      "the clones run after"), rows, numeric=(0, 2)))
+
+
 # ---------------------------------------------------------------- rewrite
 def _rewrite(doc: dict, svg: str | None) -> str:
     rows = [
@@ -233,6 +256,7 @@ def _rewrite(doc: dict, svg: str | None) -> str:
         ("added operations", f"{doc['swap_outs'] + doc['swap_ins']} ({doc['swap_outs']} swap-out, "
                              f"{doc['swap_ins']} swap-in)"),
         ("bytes swapped out / in", f"{_size(doc['swap_out_bytes'])} / {_size(doc['swap_in_bytes'])}"),
+        ("recomputations", f"{doc.get('recomputes', 0)} ({_size(doc.get('recompute_bytes', 0))})"),
         ("control edges added", str(doc.get("control_edges", 0))),
     ]
     if doc.get("tensorboard_event_file"):

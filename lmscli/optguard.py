@@ -141,7 +141,8 @@ def around(view, names, hops: int) -> frozenset:
 
 def culprits(plan, names: frozenset) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``(tensors, ops)``: the swapped tensors whose producer, rewired consumers, waiters or
-    triggers are among ``names``, and the serialized ops among them."""
+    triggers are among ``names``, the recomputed tensors whose cloned ops, rewired consumers or
+    triggers are, and the serialized ops among them."""
     tensors = []
     for swap in plan.swaps:
         producer = parse_input(swap.tensor)[0]
@@ -151,14 +152,23 @@ def culprits(plan, names: frozenset) -> tuple[tuple[str, ...], tuple[str, ...]]:
             touched.add(group.trigger)
         if touched & names:
             tensors.append(swap.tensor)
+    for rec in plan.recomputes:
+        touched = set(rec.ops)
+        for group in rec.groups:
+            touched.update(group.consumers)
+            touched.add(group.trigger)
+        if touched & names:
+            tensors.append(rec.tensor)
     ops = sorted({op for chain in plan.serialize for op in chain if op in names})
     return tuple(sorted(tensors)), tuple(ops)
 
 
 def without(plan, tensors, ops):
-    """``plan`` without the swaps of ``tensors`` and with ``ops`` taken out of serialized chains."""
+    """``plan`` without the swaps and recomputations of ``tensors`` and with ``ops`` taken out of
+    serialized chains."""
     from dataclasses import replace
 
-    drop = set(ops)
+    drop, gone = set(ops), set(tensors)
     chains = tuple(c for c in (tuple(op for op in chain if op not in drop) for chain in plan.serialize) if len(c) > 1)
-    return replace(plan, swaps=tuple(s for s in plan.swaps if s.tensor not in set(tensors)), serialize=chains)
+    return replace(plan, swaps=tuple(s for s in plan.swaps if s.tensor not in gone), serialize=chains,
+                   recomputes=tuple(r for r in plan.recomputes if r.tensor not in gone))

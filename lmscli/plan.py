@@ -1,4 +1,5 @@
-"""The plan: which tensors to swap, which consumers read a swap-in, and what triggers each swap-in.
+"""The plan: which tensors to swap or recompute, which consumers read the copy brought back or made
+again, and what triggers it.
 
 A plan names everything by graph names, so it can be reviewed, stored as JSON, and re-applied
 with ``lms rewrite --plan``. :func:`to_sim` maps it onto a schedule for the simulator.
@@ -36,6 +37,17 @@ class PlannedSwap:
 
 
 @dataclass(frozen=True)
+class PlannedRecompute:
+    tensor: str  # "node:output"
+    bytes: int
+    near: tuple[str, ...]  # consumers that keep reading the original
+    ops: tuple[str, ...]  # the ops cloned, inputs first; the last one makes ``tensor``
+    groups: tuple[PlannedSwapIn, ...]  # consumers rewired to a clone, and the op the clones wait for
+    waiters: tuple[str, ...] = ()  # ops updating a variable the clones read: they wait for the clones
+    gpu: str = ""
+
+
+@dataclass(frozen=True)
 class Plan:
     model: str
     graph_sha256: str
@@ -48,6 +60,16 @@ class Plan:
     serialize: tuple[tuple[str, ...], ...] = ()  # chains of op names to run one after another
     predicted: dict = field(default_factory=dict)
     grappler: dict = field(default_factory=dict)
+    recomputes: tuple[PlannedRecompute, ...] = ()
+
+    @property
+    def edits(self) -> tuple:
+        """Swaps and recomputations together."""
+        return self.swaps + self.recomputes
+
+    @property
+    def recompute_bytes(self) -> int:
+        return sum(r.bytes * len(r.groups) for r in self.recomputes)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -80,7 +102,18 @@ class Plan:
                 )
                 for s in data["swaps"]
             )
+            recomputes = tuple(
+                PlannedRecompute(
+                    tensor=r["tensor"], bytes=int(r["bytes"]), near=tuple(r.get("near", ())), ops=tuple(r["ops"]),
+                    groups=tuple(PlannedSwapIn(tuple(g["consumers"]), g["trigger"]) for g in r["groups"]),
+                    waiters=tuple(r.get("waiters", ())), gpu=str(r.get("gpu", "")),
+                )
+                for r in data.get("recomputes", ())
+            )
+            if any(not r.ops or not r.groups for r in recomputes):
+                raise ValueError("recomputes: ops and groups")
             return cls(
+                recomputes=recomputes,
                 model=data["model"], graph_sha256=data["graph_sha256"], fetches=tuple(data["fetches"]),
                 batch_size=data.get("batch_size"), device=dict(data.get("device", {})),
                 strategy=data.get("strategy", "manual"), parameters=dict(data.get("parameters", {})),
@@ -110,8 +143,8 @@ def tensor_ids(schedule: Schedule) -> dict[str, int]:
 
 
 def to_sim(plan_swaps, schedule: Schedule) -> list[SimSwap]:
-    """Map named swaps of ``schedule``'s GPU onto its positions; raises PlanError for names it does
-    not know."""
+    """Map named swaps and recomputations (a plan's :attr:`Plan.edits`) of ``schedule``'s GPU onto
+    its positions; raises PlanError for names it does not know."""
     ids = tensor_ids(schedule)
     position = {name: k for k, name in enumerate(schedule.names)}
 
@@ -128,17 +161,40 @@ def to_sim(plan_swaps, schedule: Schedule) -> list[SimSwap]:
             raise PlanError(f"the plan swaps {swap.tensor!r}, which is not a tensor of this graph's step")
         groups = tuple(
             SwapIn(tuple(sorted(pos(c, "consumer") for c in g.consumers)), pos(g.trigger, "trigger"))
-            for g in swap.swap_ins
+            for g in (swap.groups if isinstance(swap, PlannedRecompute) else swap.swap_ins)
         )
+        if isinstance(swap, PlannedRecompute):
+            chain = tuple(sorted(pos(op, "recomputed op") for op in swap.ops))
+            cost, extra = recompute_cost(schedule, chain)
+            out.append(SimSwap(ids[swap.tensor], tuple(sorted(pos(c, "consumer") for c in swap.near)), groups,
+                               waiters=tuple(sorted(pos(w, "waiter") for w in swap.waiters)),
+                               kind="recompute", cost=cost, extra=extra, chain=chain))
+            continue
         out.append(SimSwap(ids[swap.tensor], tuple(sorted(pos(c, "consumer") for c in swap.near)), groups,
                            swap.sync_out, tuple(sorted(pos(w, "waiter") for w in swap.waiters))))
     return out
 
 
+def recompute_cost(schedule: Schedule, positions) -> tuple[int, int]:
+    """``(microseconds, bytes)`` of running the ops at ``positions`` again: their times, and the
+    outputs of all but the last, held while the clones run (outputs that forward a buffer or
+    reuse one in place allocate nothing)."""
+    positions = sorted(positions)
+    cost = sum(schedule.compute[k] for k in positions)
+    inner = set(positions[:-1])
+    shares = schedule.shares
+    extra = sum(t.num_bytes for t in schedule.tensors
+                if t.producer in inner and not (shares and shares[t.id] != -1))
+    return cost, extra
+
+
 def from_sim(sim_swaps, schedule: Schedule) -> tuple[PlannedSwap, ...]:
-    """Name positions in ``sim_swaps``; swaps come out sorted by producer position, then output."""
+    """Name positions in ``sim_swaps``; swaps come out sorted by producer position, then output.
+    Recomputations are left out (see :func:`recomputes_from_sim`)."""
     out = []
     for s in sorted(sim_swaps, key=lambda s: (schedule.tensors[s.tensor].producer, schedule.tensors[s.tensor].output)):
+        if s.recompute:
+            continue
         t = schedule.tensors[s.tensor]
         out.append(PlannedSwap(
             tensor=f"{schedule.names[t.producer]}:{t.output}",
@@ -147,6 +203,26 @@ def from_sim(sim_swaps, schedule: Schedule) -> tuple[PlannedSwap, ...]:
             swap_ins=tuple(PlannedSwapIn(tuple(schedule.names[c] for c in g.consumers), schedule.names[g.trigger])
                            for g in s.groups),
             sync_out=s.sync_out,
+            waiters=tuple(schedule.names[w] for w in s.waiters),
+            gpu=schedule.device,
+        ))
+    return tuple(out)
+
+
+def recomputes_from_sim(sim_swaps, schedule: Schedule) -> tuple[PlannedRecompute, ...]:
+    """Name the recomputations of ``sim_swaps``, sorted as :func:`from_sim` sorts swaps."""
+    out = []
+    for s in sorted(sim_swaps, key=lambda s: (schedule.tensors[s.tensor].producer, schedule.tensors[s.tensor].output)):
+        if not s.recompute:
+            continue
+        t = schedule.tensors[s.tensor]
+        out.append(PlannedRecompute(
+            tensor=f"{schedule.names[t.producer]}:{t.output}",
+            bytes=t.num_bytes,
+            near=tuple(schedule.names[c] for c in s.near),
+            ops=tuple(schedule.names[k] for k in s.chain),
+            groups=tuple(PlannedSwapIn(tuple(schedule.names[c] for c in g.consumers), schedule.names[g.trigger])
+                         for g in s.groups),
             waiters=tuple(schedule.names[w] for w in s.waiters),
             gpu=schedule.device,
         ))

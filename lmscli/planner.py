@@ -31,7 +31,7 @@ from lmscli.analysis import Prepared, binding
 from lmscli.candidates import Candidate, Filters, candidates, edge_safe
 from lmscli.device import Device
 from lmscli.errors import NoFitError
-from lmscli.plan import Plan, from_sim, graph_fingerprint
+from lmscli.plan import Plan, from_sim, graph_fingerprint, recomputes_from_sim
 from lmscli.schedule import Schedule
 from lmscli.simulator import SimResult, SimSwap, SwapIn, simulate, transfer_us
 from lmscli.timing import timed
@@ -50,9 +50,17 @@ class TflmsParams:
                 f"swapin_groupby {self.swapin_groupby}, sync_mode {self.sync_mode}")
 
 
+STRATEGIES = ("hybrid", "swap", "recompute", "tflms")
+ALIASES = {"lms": "swap"}  # the swap-only planner's name before recomputation
+
+
+def strategy_name(strategy: str) -> str:
+    return ALIASES.get(strategy, strategy)
+
+
 @dataclass(frozen=True)
 class TuneOptions:
-    strategy: str = "lms"
+    strategy: str = "hybrid"
     filters: Filters = Filters()
     tflms: TflmsParams | None = None  # given: skip the search and apply these parameters
     sync_mode: int = 0  # tflms search: the sync_mode to start from
@@ -106,6 +114,18 @@ class _Context:
         self._cand_last = np.array([sched.tensors[t].consumers[-1] for t in ids], dtype=np.int64)
         self._build_lifting()
         self._memo: dict[tuple, int | None] = {}
+        self._recipes = None
+
+    @property
+    def recipes(self):
+        """Recompute recipes per candidate tensor (see :mod:`lmscli.recompute`), built on first use."""
+        if self._recipes is None:
+            from lmscli.recompute import buffer_ends, recipes
+
+            with timing.phase("recompute recipes"):
+                self._recipes = recipes(self.view, self.schedule, self.cands, self.prepared.fused)
+                self.buffer_end = buffer_ends(self.schedule)
+        return self._recipes
 
     def any_trigger(self, latest: int, earliest: int) -> int | None:
         """The latest position in [earliest, latest] fit to trigger a swap-in, ancestor or not."""
@@ -197,6 +217,8 @@ class _Choice:
     hi: int  # last position whose memory drops
     size: int
     stall: int = 0  # predicted microseconds the consumer waits
+    recipe: object = None  # a recomputation: the recipe it runs
+    cost: int = 0  # predicted microseconds the choice adds to the step
 
 
 def _busy_blocks(transfers) -> list[tuple[int, int]]:
@@ -273,11 +295,68 @@ def _gap_swap(ctx: _Context, cand: Candidate, p: int, result: SimResult,
     return _Choice(swap, lo, trig, t.num_bytes, stall)
 
 
+def _gap_recompute(ctx: _Context, cand: Candidate, p: int, result: SimResult, chosen: dict,
+                   held: set) -> _Choice | None:
+    """Make ``cand`` again across position ``p``: the original for uses before p, clones of a
+    recipe (run when the latest ancestor of the first later use ends) for the uses after p."""
+    recipes = ctx.recipes.get(cand.tensor)
+    if not recipes:
+        return None
+    sched = ctx.schedule
+    t = sched.tensors[cand.tensor]
+    consumers = t.consumers
+    if not consumers or not (t.producer < p < consumers[-1]):
+        return None
+    k = bisect.bisect_right(consumers, p)
+    near, far = consumers[:k], consumers[k:]
+    if not far or (near and near[-1] == p):
+        return None
+    rewirable = set(cand.rewirable)
+    if any(c not in rewirable for c in far):
+        return None
+    v = far[0]
+    earliest = max(near[-1] if near else t.producer, p)
+    trig = ctx.trigger(v, v - 1, earliest)
+    if trig is None:
+        trig = ctx.any_trigger(v - 1, earliest)
+    if trig is None:
+        return None
+    starts = result.starts
+    lo = bisect.bisect_left(starts, result.ends[near[-1] if near else t.producer])
+    if not (lo <= p <= trig):
+        return None
+    for recipe in recipes:  # the shortest whose sources are all on the GPU when the clones run
+        if (all(s not in chosen and ctx.buffer_end[s] > trig for s in recipe.sources)
+                and all(w > trig for w in recipe.writers) and not any(s in chosen for s in recipe.small)):
+            swap = SimSwap(t.id, tuple(near), (SwapIn(tuple(far), trig),), waiters=recipe.writers, kind="recompute",
+                           cost=recipe.cost, extra=recipe.extra, chain=recipe.positions)
+            return _Choice(swap, lo, trig, t.num_bytes, 0, recipe, recipe.cost)
+    return None
+
+
+def _link_busy(result: SimResult) -> int:
+    """Microseconds the busier transfer stream is busy in ``result``."""
+    busy = {"in": 0.0, "out": 0.0}
+    for direction, _t, start, end in result.transfers:
+        busy[direction] += end - start
+    return _us(max(busy.values()))
+
+
+def _swap_cost(stall: int, transfer: int, busy: int, compute: int) -> int:
+    """What a swap is likely to add to the step: its stall, and its transfer time as far as the
+    link would be busy with it (a stream that already carries as much as the step computes delays
+    the step by every further transfer; an idle one hides it)."""
+    if compute <= 0:
+        return stall + transfer
+    return stall + int(transfer * min(1.0, (busy + transfer) / compute))
+
+
 CAPPED = object()  # an ancestor search that gave up
 TFLMS_SEARCH_MAX_OPS = 8_000  # above this, the default strategy does not also run TFLMS's search
 TRIGGER_VISITS = 400  # ancestors visited exactly before falling back to the predecessor chain
 RESIMULATE_EVERY = 64  # greedy steps between full re-simulations
 STALL_JUDGEMENTS = 8  # full re-simulations without less total excess before giving up
+STEP_TOLERANCE = 0.01  # hybrid: plans this close to the shortest step count as fast, the fewest bytes wins
 
 
 @dataclass
@@ -316,8 +395,12 @@ def _judge(ctx: _Context, swaps, detail: bool = True) -> _Judged:
     return _Judged(result, instant, profile)
 
 
-def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]) -> tuple[list[SimSwap], SimResult]:
+def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str],
+             modes: tuple[str, ...] = ("swap",)) -> tuple[list[SimSwap], SimResult]:
+    """Greedy per-tensor planning (the module docstring); ``modes`` says what a choice may be:
+    ``swap``, ``recompute`` or both (the hybrid takes, per tensor, what costs less time)."""
     chosen: dict[int, _Choice] = {}
+    held: set[int] = set()  # sources of chosen recomputations: they stay on the GPU
     judged = _Judged(baseline, baseline, np.array(baseline.memory_by_position, dtype=np.int64))
     profile = judged.profile.copy()
     tried_positions: set[int] = set()
@@ -351,7 +434,7 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
         clipped = np.clip(excess, 0, None)
         ranked: list[_Choice] = []
         for p in (int(x) for x in plateau):
-            ranked = _ranked_choices(ctx, chosen, p, judged, clipped)
+            ranked = _ranked_choices(ctx, chosen, p, judged, clipped, modes, held)
             if ranked:
                 break
         if not ranked:
@@ -367,7 +450,13 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
         for best in ranked:
             if best.swap.tensor in chosen and best.swap.waiters == chosen[best.swap.tensor].swap.waiters:
                 continue
+            if best.recipe is not None and any(src in chosen for src in best.recipe.sources + best.recipe.small):
+                continue  # a source was chosen a moment ago
+            if best.swap.tensor in held:
+                continue  # a recomputation chosen a moment ago reads it
             chosen[best.swap.tensor] = best
+            if best.recipe is not None:
+                held.update(best.recipe.sources + best.recipe.small)
             profile[best.lo: best.hi + 1] -= best.size
             if profile[p] <= budget_act:
                 break
@@ -385,22 +474,45 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
                 del chosen[tid]
                 profile = check.profile.copy()
                 judged = check
-    log.append(f"[LMS] planned {len(chosen)} swap(s) in {_round + 1} step(s)")
+    n_re = sum(1 for c in chosen.values() if c.recipe is not None)
+    what = f"{len(chosen) - n_re} swap(s)" + (f" and {n_re} recomputation(s)" if "recompute" in modes else "")
+    log.append(f"[LMS] planned {what} in {_round + 1} step(s)")
     return [c.swap for c in chosen.values()], judged.result
 
 
-def _ranked_choices(ctx: _Context, chosen: dict, p: int, judged: _Judged, clipped) -> list[_Choice]:
-    """Swaps across ``p``, best first: no-stall swaps first, then the most excess removed."""
+def _ranked_choices(ctx: _Context, chosen: dict, p: int, judged: _Judged, clipped,
+                    modes: tuple[str, ...] = ("swap",), held: set = frozenset()) -> list[_Choice]:
+    """Choices across ``p``, best first: those that cost no time first, then the most excess
+    removed. A swap costs its stall, plus its transfer time as much as the link is already busy (a
+    further swap on a saturated link delays the step by about its transfer); a recomputation
+    costs its clones' time. With both modes, each tensor takes the cheaper."""
     result, d2h = judged.result, judged.d2h
+    hybrid = "swap" in modes and "recompute" in modes
+    busy = _link_busy(result) if hybrid else 0
+    compute = _us(result.compute_time)
     ranked = []
     for tid in ctx.live_candidates(p):
-        if tid in chosen:
+        if tid in chosen or tid in held:
             continue
-        choice = _gap_swap(ctx, ctx.cands[tid], p, result, d2h)
-        if choice is None or not _helps_instantly(ctx, choice.swap, p, judged.instant):
+        options = []
+        if "swap" in modes:
+            choice = _gap_swap(ctx, ctx.cands[tid], p, result, d2h)
+            if choice is not None:
+                choice.cost = choice.stall
+                if hybrid:
+                    choice.cost = _swap_cost(choice.stall, transfer_us(choice.size, ctx.device.link_bandwidth),
+                                             busy, compute)
+                options.append(choice)
+        if "recompute" in modes:
+            choice = _gap_recompute(ctx, ctx.cands[tid], p, result, chosen, held)
+            if choice is not None:
+                options.append(choice)
+        options = [c for c in options if _helps_instantly(ctx, c.swap, p, judged.instant)]
+        if not options:
             continue
+        choice = min(options, key=lambda c: (c.cost, c.recipe is not None))
         covered = int(np.minimum(clipped[choice.lo: choice.hi + 1], choice.size).sum())
-        ranked.append(((choice.stall == 0, covered, -choice.stall, -choice.size, -tid), choice))
+        ranked.append(((choice.cost == 0, covered, -choice.cost, -choice.size, -tid), choice))
     ranked.sort(key=lambda x: x[0], reverse=True)
     if ranked:
         return [c for _, c in ranked]
@@ -432,6 +544,8 @@ def _late_free(ctx: _Context, chosen: dict, p: int, judged: _Judged) -> _Choice 
     for tid in sorted(chosen):
         c = chosen[tid]
         swap = c.swap
+        if swap.recompute:
+            continue
         if p in swap.waiters or (swap.near and swap.near[-1] >= p) or ctx.schedule.tensors[tid].producer >= p:
             continue
         if swap.groups and swap.groups[0].trigger < p:
@@ -587,6 +701,7 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
     params: dict = {}
     swaps: list[SimSwap] = []
     necessary = baseline.peak_bytes > budget - margin
+    limited = False
     if options.strategy == "tflms" and options.tflms is not None:
         swaps = tflms_swaps(ctx, options.tflms)
         result = ctx.simulate(swaps)
@@ -602,6 +717,8 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
         if lb > max(budget, budget - margin):  # a negative margin plans for more than the budget
             op = sched.names[bound.position] if bound.position is not None else None
             raise NoFitError(_no_fit_message(ctx, bound, budget), bound_bytes=lb, binding_op=op, budget_bytes=budget)
+        if strategy_name(options.strategy) not in STRATEGIES:
+            raise ValueError(f"unknown strategy {options.strategy!r}")
         if options.strategy == "tflms":
             try:
                 swaps, chosen, result = plan_tflms(ctx, budget_act, log, options.sync_mode)
@@ -610,19 +727,20 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
                                  binding_op=sched.names[stuck.position], budget_bytes=budget) from None
             params = chosen.__dict__.copy()
         else:
-            swaps, result, params = _best_plan(ctx, budget_act, baseline, log, options, lb)
+            swaps, result, params, limited = _best_plan(ctx, budget_act, baseline, log, options, lb)
     plan = Plan(
         model=prepared.model.name,
         graph_sha256=graph_fingerprint(prepared.graph_def),
         fetches=tuple(prepared.model.fetches),
         batch_size=prepared.batch_size,
         device=device.to_dict(),
-        strategy=options.strategy,
+        strategy=strategy_name(options.strategy),
         parameters=params,
         swaps=from_sim(swaps, sched),
+        recomputes=recomputes_from_sim(swaps, sched),
         predicted=predicted(baseline, result, budget),
     )
-    return TuneResult(plan, baseline, result, budget, necessary, tuple(log))
+    return TuneResult(plan, baseline, result, budget, necessary, tuple(log), time_limited=limited)
 
 
 def _tune_each_gpu(prepared: Prepared, device: Device, options: TuneOptions, margin) -> TuneResult:
@@ -643,7 +761,8 @@ def _tune_each_gpu(prepared: Prepared, device: Device, options: TuneOptions, mar
         name: r.plan.parameters for name, r in results}
     figures = {name: r.plan.predicted for name, r in results}
     pred = dict(worst.plan.predicted)
-    for key in ("host_peak_bytes", "swap_out_bytes", "swap_in_bytes", "swap_outs", "swap_ins"):
+    for key in ("host_peak_bytes", "swap_out_bytes", "swap_in_bytes", "swap_outs", "swap_ins", "recomputes",
+                "recompute_bytes", "recompute_time_s"):
         pred[key] = sum(f[key] for f in figures.values())
     for key in ("peak_bytes_without_plan", "step_time_without_plan_s", "step_time_s"):
         pred[key] = max(f[key] for f in figures.values())
@@ -651,43 +770,83 @@ def _tune_each_gpu(prepared: Prepared, device: Device, options: TuneOptions, mar
     pred["overhead"] = round(pred["step_time_s"] / base_time - 1.0, 6) if base_time else 0.0
     pred["per_device"] = figures
     plan = replace(worst.plan, parameters=params, predicted=pred,
-                   swaps=tuple(swap for p in plans for swap in p.swaps))
+                   swaps=tuple(swap for p in plans for swap in p.swaps),
+                   recomputes=tuple(r for p in plans for r in p.recomputes))
     return TuneResult(plan, worst.baseline, worst.result, worst.budget, any(r.necessary for _, r in results),
-                      tuple(line for _, r in results for line in r.log), tuple(results))
+                      tuple(line for _, r in results for line in r.log), tuple(results),
+                      time_limited=any(r.time_limited for _, r in results))
 
 
 def _best_plan(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str], options: TuneOptions, lb: int):
-    """The lms strategy: the greedy per-tensor plan, with TFLMS's search as a second candidate;
-    of the plans that fit, the one that swaps the fewest bytes (then: the shortest step)."""
+    """The greedy strategies.
+
+    ``swap``: the greedy swap plan, with TFLMS's search as a second candidate; of the plans that
+    fit, the one that swaps the fewest bytes (then: the shortest step). ``recompute``: the greedy
+    plan with recomputations only. ``hybrid``: the greedy plan choosing per tensor, with the
+    recompute-only and swap plans as further candidates; of those that fit, the shortest predicted step on the device's
+    link wins (then: the fewest bytes moved or made again), so the hybrid is never slower than
+    either pure plan and reaches every budget the swap plans reach."""
+    strategy = strategy_name(options.strategy)
+    runs = {"swap": [("swap",)], "recompute": [("recompute",)],
+            "hybrid": [("swap", "recompute"), ("recompute",), ("swap",)]}[strategy]
+    if strategy == "hybrid" and not ctx.recipes:  # nothing can be made again: the swap plans alone
+        runs = [("swap",)]
     found = []
     stuck_at = None
-    try:
-        swaps, result = plan_lms(ctx, budget_act, baseline, log)
-        found.append((result.swap_out_bytes, result.step_time, 0, swaps, result, {}))
-    except _Stuck as stuck:
-        stuck_at = stuck
-        log.append(f"[LMS] greedy planning stuck at {ctx.schedule.names[stuck.position]}")
-    if found and len(ctx.schedule) > TFLMS_SEARCH_MAX_OPS:
+    limited = False  # --time-limit passed before every candidate was tried
+    for origin, modes in enumerate(runs):
+        lines: list[str] = []
+        try:
+            swaps, result = plan_lms(ctx, budget_act, baseline, lines, modes)
+            found.append((origin, swaps, result, {}, lines))
+        except _Stuck as stuck:
+            stuck_at = stuck_at or stuck
+            lines.append(f"[LMS] greedy planning ({' and '.join(modes)}) stuck at {ctx.schedule.names[stuck.position]}")
+            log.extend(lines)
+        if found and origin + 1 < len(runs) and timing.out_of_time():
+            limited = True
+            break
+    if strategy == "recompute":
+        pass
+    elif found and len(ctx.schedule) > TFLMS_SEARCH_MAX_OPS:
         log.append(f"[LMS] {len(ctx.schedule)} ops: skipping the TFLMS-style second candidate")
     elif found and timing.out_of_time():
-        log.append("[LMS] --time-limit passed: skipping the TFLMS-style second candidate")
+        limited = True
     else:
-        _tflms_candidate(ctx, budget_act, options, found)
+        _tflms_candidate(ctx, budget_act, options, found, len(runs))
     if not found:
-        raise NoFitError(_stuck_message(ctx, stuck_at, "lms", budget_act, lb), bound_bytes=lb,
+        raise NoFitError(_stuck_message(ctx, stuck_at, strategy, budget_act, lb), bound_bytes=lb,
                          binding_op=ctx.schedule.names[stuck_at.position],
                          budget_bytes=ctx.device.budget)
-    found.sort(key=lambda f: f[:3])
-    _bytes, _time, origin, swaps, result, params = found[0]
-    if origin == 1:
-        log.append("[LMS] TFLMS-style parameters swap fewer bytes here than the greedy plan; using them")
-    return swaps, result, params
+
+    if strategy == "hybrid":
+        fastest = min(f[2].step_time for f in found)
+        found = [f for f in found if f[2].step_time <= fastest * (1 + STEP_TOLERANCE) + 1e-6]
+        found.sort(key=lambda f: (f[2].swap_out_bytes + f[2].recompute_bytes, f[2].step_time, f[0]))
+    else:
+        found.sort(key=lambda f: (f[2].swap_out_bytes, f[2].step_time, f[0]))
+    origin, swaps, result, params, lines = found[0]
+    log.extend(lines)
+    if origin == len(runs):
+        log.append("[LMS] TFLMS-style parameters " + ("give a shorter step" if strategy == "hybrid" else "swap fewer bytes")
+                   + " here than the greedy plan; using them")
+    elif strategy == "hybrid" and origin == 1:
+        log.append("[LMS] the recompute-only plan gives the shortest step here; using it")
+    elif strategy == "hybrid" and origin == 2:
+        log.append("[LMS] the swap-only plan is as fast here as any with recomputation; using it")
+    if result.num_recomputes:
+        log.append(f"[LMS] {result.num_recomputes} recomputation(s) take {result.recompute_time * 1e3:.3f} ms of GPU "
+                   f"time where swaps on this link ({ctx.device.link_name}) would have waited for the transfers")
+    if limited:
+        log.append("[LMS] stopped at --time-limit: the first fitting plan, other candidates untried "
+                   "(more time may find a faster one, or one that moves less)")
+    return swaps, result, params, limited
 
 
-def _tflms_candidate(ctx: _Context, budget_act: int, options: TuneOptions, found: list) -> None:
+def _tflms_candidate(ctx: _Context, budget_act: int, options: TuneOptions, found: list, origin: int) -> None:
     try:
         swaps, chosen, result = plan_tflms(ctx, budget_act, [], options.sync_mode)
-        found.append((result.swap_out_bytes, result.step_time, 1, swaps, result, {"tflms_search": chosen.__dict__}))
+        found.append((origin, swaps, result, {"tflms_search": chosen.__dict__}, []))
     except _Stuck:
         pass
 
@@ -720,6 +879,9 @@ def predicted(baseline: SimResult, result: SimResult, budget: int) -> dict:
         "swap_in_bytes": result.swap_in_bytes,
         "swap_outs": result.num_swap_outs,
         "swap_ins": result.num_swap_ins,
+        "recomputes": result.num_recomputes,
+        "recompute_bytes": result.recompute_bytes,
+        "recompute_time_s": result.recompute_time,
         "step_time_without_plan_s": baseline.step_time,
         "step_time_s": result.step_time,
         "overhead": round(result.step_time / baseline.step_time - 1.0, 6) if baseline.step_time else 0.0,

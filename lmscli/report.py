@@ -189,6 +189,10 @@ def render_tune(console: Console, result, details: dict | None = None) -> None:
         t.add_row("swapping", "not necessary: the graph fits without it")
     t.add_row("swap-outs", f"{pred['swap_outs']} ({format_size(pred['swap_out_bytes'])})")
     t.add_row("swap-ins", f"{pred['swap_ins']} ({format_size(pred['swap_in_bytes'])})")
+    if plan.recomputes:
+        t.add_row("recomputations", f"{pred.get('recomputes', 0)} ({format_size(pred.get('recompute_bytes', 0))} made "
+                  f"again by {sum(len(r.ops) * len(r.groups) for r in plan.recomputes)} cloned op(s), "
+                  f"{pred.get('recompute_time_s', 0.0) * 1e3:.3f} ms of GPU time)")
     t.add_row("host memory (pinned)", format_size(pred["host_peak_bytes"]))
     if pred["host_peak_bytes"] > dev["host_mem_bytes"]:
         t.add_row("", f"[yellow]warning: more than --host-mem {format_size(dev['host_mem_bytes'])}[/]")
@@ -203,7 +207,7 @@ def render_tune(console: Console, result, details: dict | None = None) -> None:
             for k, v in plan.parameters.items()))
     console.print(t)
     details = details or {}
-    if plan.swaps:
+    if plan.edits:
         render_chart(console, "Memory over one training step (simulated)",
                      _series(f"with lms (peak {format_size(result.result.peak_bytes)})", result.result),
                      _series(f"without (peak {format_size(result.baseline.peak_bytes)})", result.baseline), budget)
@@ -215,6 +219,31 @@ def render_tune(console: Console, result, details: dict | None = None) -> None:
         console.print(_top_table("Largest tensors live at the peak, with the plan", details["top_live_at_peak"]))
     if plan.swaps:
         console.print(_swap_table(plan, details.get("op_levels", {})))
+    if plan.recomputes:
+        console.print(_recompute_table(plan, details.get("op_levels", {})))
+
+
+def _recompute_table(plan, levels: dict, limit: int = 15) -> Table:
+    """Recomputed tensors, largest first: size, the ops cloned, and the levels of the producer, of
+    the op the clones wait for (named under the tensor) and of the ops reading the clone."""
+    table = Table(title=f"Recomputed tensors ({len(plan.recomputes)}, largest first; ↳ the op the clones wait for)",
+                  title_justify="left")
+    table.add_column("tensor", overflow="fold")
+    table.add_column("size", justify="right", no_wrap=True)
+    table.add_column("ops cloned", overflow="fold")
+    table.add_column("levels", no_wrap=True)
+    for rec in sorted(plan.recomputes, key=lambda r: (-r.bytes, r.tensor))[:limit]:
+        producer = rec.tensor.rsplit(":", 1)[0]
+        cell = Text(rec.tensor)
+        for g in rec.groups:
+            cell.append(f"\n↳{g.trigger}", style="dim")
+        steps = [f"made  {_levels([producer], levels)}",
+                 "again " + ", ".join(_levels([g.trigger], levels) for g in rec.groups),
+                 "read  " + ", ".join(_levels(g.consumers, levels) for g in rec.groups)]
+        table.add_row(cell, format_size(rec.bytes), str(len(rec.ops)), "\n".join(steps))
+    if len(plan.recomputes) > limit:
+        table.caption = f"... and {len(plan.recomputes) - limit} more (see --plan-out or --report)"
+    return table
 
 
 def _levels(names, levels: dict) -> str:

@@ -16,7 +16,18 @@ is done. The swap-in holds the host copy; the host-to-device copy happens when t
 run, just before ``B`` needs it. Waiters (``- - -`` control edges from the swap-out) stop ops from
 allocating before a swap-out has finished. Serialized levels chain ops with control edges.
 
-Inserted nodes live under ``lms/``, carry ``_grappler_do_not_remove`` and never a ``_class``
+A recomputation of ``t = R(Q(x))`` whose far consumer ``B`` runs late clones the chain::
+
+    before                         after
+    x --> Q --> R --t--> A         x --> Q --> R --t--> A
+                  --t--> B         x --> lms/recompute/R_0/0/Q --> lms/recompute/R_0/0/R --> B
+                                         ^trigger - - - - - - - - - - ^trigger
+
+The clones copy the originals' op and attributes (not ``_class``) and wait for the trigger, the
+latest op before ``B`` that ``B`` depends on, so they run just before ``B`` and ``t``'s buffer
+is free in between. Ops that update a variable the clones read wait for the last clone.
+
+Inserted swap nodes live under ``lms/``, carry ``_grappler_do_not_remove`` and never a ``_class``
 colocation attribute. The result is validated (unique names, no dangling inputs, no cycles).
 """
 
@@ -30,6 +41,7 @@ from lmscli.plan import Plan
 from lmscli.timing import timed
 
 SCOPE = "lms/"
+RECOMPUTE_SCOPE = SCOPE + "recompute/"
 DEFAULT_HOST_DEVICE = "/device:CPU:0"
 
 
@@ -41,13 +53,19 @@ class RewriteReport:
     swap_in_bytes: int
     control_edges: int
     added_nodes: tuple[str, ...]
+    recomputes: int = 0  # groups of consumers reading clones
+    recompute_bytes: int = 0
 
     def summary(self) -> str:
         from lmscli.units import format_size
 
-        return (f"Added {self.swap_outs + self.swap_ins} operations to the model ({self.swap_outs} swap-out "
+        line = (f"Added {len(self.added_nodes)} operations to the model ({self.swap_outs} swap-out "
                 f"operations ({format_size(self.swap_out_bytes)}) and {self.swap_ins} swap-in operations "
-                f"({format_size(self.swap_in_bytes)}))")
+                f"({format_size(self.swap_in_bytes)})")
+        if self.recomputes:
+            clones = len(self.added_nodes) - self.swap_outs - self.swap_ins
+            line += f", {clones} cloned operations recomputing {format_size(self.recompute_bytes)} in {self.recomputes} place(s)"
+        return line + ")"
 
 
 def has_lms_nodes(graph_def) -> bool:
@@ -158,6 +176,38 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
         waiters += [w for w in swap.waiters if w not in waiters]
         for waiter in waiters:
             add_control(waiter, swapout)
+    n_re = re_bytes = 0
+    for rec in plan.recomputes:
+        producer, output, _ = parse_input(rec.tensor)
+        missing = [op for op in rec.ops + (producer,) if op not in nodes]
+        if missing:
+            raise PlanError(f"the plan recomputes {rec.tensor!r} with {missing[0]!r}, which is not in the graph")
+        if rec.ops[-1] != producer:
+            raise PlanError(f"the plan recomputes {rec.tensor!r} with ops that do not end in its producer")
+        refs = {_tensor_ref(producer, output), f"{producer}:{output}"}
+        for g, group in enumerate(rec.groups):
+            if group.trigger not in nodes:
+                raise PlanError(f"the plan's trigger {group.trigger!r} is not in the graph")
+            clones = _clone_chain(graph, nodes, rec.ops, f"{RECOMPUTE_SCOPE}{_safe(producer)}_{output}/{g}/",
+                                  unique, group.trigger)
+            added.extend(clones.values())
+            control_edges += len(clones)
+            n_re += 1
+            re_bytes += rec.bytes
+            made = _tensor_ref(clones[producer], output)
+            for waiter in rec.waiters:  # variable updates wait until the clones have read the variable
+                add_control(waiter, clones[producer])
+            for consumer in group.consumers:
+                target = nodes.get(consumer)
+                if target is None:
+                    raise PlanError(f"the plan rewires {consumer!r}, which is not in the graph")
+                hits = 0
+                for k, text in enumerate(target.input):
+                    if text in refs:
+                        target.input[k] = made
+                        hits += 1
+                if hits == 0:
+                    raise PlanError(f"{consumer!r} does not read {rec.tensor!r}; the plan does not match the graph")
     for chain in plan.serialize:
         for before, after in zip(chain, chain[1:]):
             add_control(after, before)
@@ -165,8 +215,32 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
         GraphView(graph)
     except GraphError as exc:
         raise GraphError(f"the rewritten graph is invalid: {exc}") from None
-    report = RewriteReport(len(plan.swaps), n_in, out_bytes, in_bytes, control_edges, tuple(added))
+    report = RewriteReport(len(plan.swaps), n_in, out_bytes, in_bytes, control_edges, tuple(added), n_re, re_bytes)
     return out, report
+
+
+def _clone_chain(graph, nodes: dict, ops, prefix: str, unique, trigger: str) -> dict[str, str]:
+    """Add clones of ``ops`` (inputs first) reading each other where the originals do, everything
+    else where the originals read it, and waiting for what the originals wait for and for
+    ``trigger``; original name -> clone name."""
+    clones: dict[str, str] = {}
+    for name in ops:
+        original = nodes[name]
+        clone = graph.node.add()
+        clone.CopyFrom(original)
+        clone.name = unique(prefix + _safe(name))
+        if "_class" in clone.attr:
+            del clone.attr["_class"]
+        del clone.input[:]
+        for text in original.input:
+            src, output, control = parse_input(text)
+            if control:
+                clone.input.append(text)  # what the original waited for
+            else:
+                clone.input.append(_tensor_ref(clones[src], output) if src in clones else text)
+        clone.input.append("^" + trigger)
+        clones[name] = clone.name
+    return clones
 
 
 def _view_dtypes(view: GraphView) -> dict:

@@ -11,6 +11,10 @@ Model of one training step (times are whole microseconds, so equal times are exa
 * A swap-in starts when its trigger op ends and the swap-out is done, on the host-to-device
   stream; its GPU buffer is allocated when it starts and freed when its last consumer ends.
   A consumer cannot start before its swap-in is done: the difference is a stall.
+* A recomputation (``kind="recompute"``) has no swap-out: the GPU copy is freed when the near
+  consumers have ended. When its trigger ends, the cloned ops run on the GPU (``cost``
+  microseconds, delaying every later op) into a new buffer, freed when its last consumer ends;
+  ``extra`` bytes of intermediate results are held while the clones run.
 * ``sync_out`` makes the near consumers wait for the swap-out as well; ``waiters`` are other ops
   that wait for it (so the GPU copy is gone before they allocate).
 
@@ -40,7 +44,15 @@ class SimSwap:
     near: tuple[int, ...]  # positions still reading the GPU copy
     groups: tuple[SwapIn, ...]
     sync_out: bool = False  # the near consumers wait for the swap-out (TFLMS sync_mode 1)
-    waiters: tuple[int, ...] = ()  # further positions that wait for the swap-out to finish
+    waiters: tuple[int, ...] = ()  # further positions that wait for the swap-out (recompute: for the clones)
+    kind: str = "swap"  # or "recompute": the far consumers read a clone of the producer's ops
+    cost: int = 0  # recompute: microseconds the cloned ops keep the GPU busy (per group)
+    extra: int = 0  # recompute: bytes of intermediate results held while the clones run
+    chain: tuple[int, ...] = ()  # recompute: positions of the ops cloned, inputs first
+
+    @property
+    def recompute(self) -> bool:
+        return self.kind == "recompute"
 
 
 @dataclass(frozen=True)
@@ -61,11 +73,14 @@ class SimResult:
     num_swap_ins: int
     compute_time: float  # sum of op times: the step time with no stall
     step_time: float
-    stall_time: float
+    stall_time: float  # step time beyond the compute time: waiting on transfers, and recomputation
     transfers: tuple[tuple[str, int, float, float], ...] = field(default=())  # (dir, tensor, start, end)
     starts: tuple[int, ...] = field(default=())  # microseconds, per position
     ends: tuple[int, ...] = field(default=())
     allocator_peak_bytes: int = 0  # with ``allocator=True``: the smallest limit the BFC allocator needs
+    recompute_time: float = 0.0  # GPU time of the recomputations (part of the step time)
+    num_recomputes: int = 0  # recomputation groups (each runs its clones once)
+    recompute_bytes: int = 0  # bytes the recomputations make again
 
     @property
     def overhead(self) -> float:
@@ -103,6 +118,8 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
             triggered.setdefault(trig, []).append((tid, g))
             for c in group.consumers:
                 in_groups[(tid, c)] = g
+        if swap.recompute:
+            continue  # its waiters (variable updates) run after the clones in the schedule's order
         for c in (swap.near if swap.sync_out else ()) + swap.waiters:
             sync_waits.setdefault(c, []).append(tid)
 
@@ -114,6 +131,7 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
     in_end: dict[tuple[int, int], int] = {}
     d2h_free = h2d_free = 0
     clock = 0
+    recompute_us = 0
     records = []
     for k in range(n):
         ready = clock
@@ -126,12 +144,20 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
         start[k] = ready
         end[k] = clock = ready + schedule.compute[k]
         for tid in swapped_by_producer.get(k, ()):
+            if swap_of[tid].recompute:
+                out_start[tid] = out_end[tid] = end[k]  # nothing to copy: the GPU copy is free to go
+                continue
             s = max(end[k], d2h_free)
             out_start[tid] = s
             out_end[tid] = d2h_free = s + transfer_us(tensors[tid].num_bytes, link_bandwidth)
             records.append(("out", tid, s, out_end[tid]))
         # Swap-ins start in trigger order on the host-to-device stream.
         for tid, g in triggered.get(k, ()):
+            if swap_of[tid].recompute:  # the clones run on the GPU now, before the next op
+                in_start[(tid, g)] = clock
+                in_end[(tid, g)] = clock = clock + swap_of[tid].cost
+                recompute_us += swap_of[tid].cost
+                continue
             s = max(end[k], out_end[tid], h2d_free)
             in_start[(tid, g)] = s
             in_end[(tid, g)] = h2d_free = s + transfer_us(tensors[tid].num_bytes, link_bandwidth)
@@ -211,10 +237,10 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
         curve=tuple((t / 1e6, b) for t, b in curve),
         host_peak_bytes=host_peak,
         host_curve=tuple(host_curve),
-        swap_out_bytes=sum(tensors[tid].num_bytes for tid in swap_of),
-        swap_in_bytes=sum(tensors[tid].num_bytes * len(s.groups) for tid, s in swap_of.items()),
-        num_swap_outs=len(swap_of),
-        num_swap_ins=sum(len(s.groups) for s in swap_of.values()),
+        swap_out_bytes=sum(tensors[tid].num_bytes for tid, s in swap_of.items() if not s.recompute),
+        swap_in_bytes=sum(tensors[tid].num_bytes * len(s.groups) for tid, s in swap_of.items() if not s.recompute),
+        num_swap_outs=sum(1 for s in swap_of.values() if not s.recompute),
+        num_swap_ins=sum(len(s.groups) for s in swap_of.values() if not s.recompute),
         compute_time=compute_us / 1e6,
         step_time=step_time / 1e6,
         stall_time=max(0, step_time - compute_us) / 1e6,
@@ -222,6 +248,9 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
         starts=tuple(start),
         ends=tuple(end),
         allocator_peak_bytes=allocator_peak,
+        recompute_time=recompute_us / 1e6,
+        num_recomputes=sum(len(s.groups) for s in swap_of.values() if s.recompute),
+        recompute_bytes=sum(tensors[tid].num_bytes * len(s.groups) for tid, s in swap_of.items() if s.recompute),
     )
 
 
@@ -242,6 +271,9 @@ def _grappler_events(schedule, swap_of, start, end, out_start, out_end, in_start
         for g, group in enumerate(swap.groups):
             events.append((in_start[(t.id, g)], 0, 0, t.id, t.num_bytes))
             events.append((end[group.consumers[-1]], 1, 0, t.id, -t.num_bytes))
+            if swap.extra:
+                events.append((in_start[(t.id, g)], 0, 2, -1 - t.id, swap.extra))
+                events.append((in_end[(t.id, g)], 1, 2, -1 - t.id, -swap.extra))
     return events, _host_events(schedule.tensors, swap_of, out_start, out_end, in_end)
 
 
@@ -250,6 +282,8 @@ def _host_events(tensors, swap_of, out_start, out_end, in_end):
     swap-out and every swap-in of it are done."""
     host_events = []
     for tid in sorted(swap_of):
+        if swap_of[tid].recompute:
+            continue
         size = tensors[tid].num_bytes
         host_events.append((out_start[tid], 0, size))
         done = [out_end[tid]] + [in_end[(tid, g)] for g in range(len(swap_of[tid].groups))]
@@ -278,6 +312,9 @@ def _executor_events(schedule, swap_of, start, end, out_start, out_end, in_start
         if swap is None:
             last = t.consumers[-1] if t.consumers else t.producer
             return (end[last], 4 * last + 2)
+        if swap.recompute:  # no transfer holds it: freed after the producer or the near consumers
+            key = (end[t.producer], 4 * t.producer + 2)
+            return max([key] + [(end[c], 4 * c + 2) for c in swap.near])
         key = (out_end[t.id], 4 * running(out_end[t.id]) + 3)
         return max([key] + [(end[c], 4 * c + 2) for c in swap.near])
 
@@ -288,7 +325,7 @@ def _executor_events(schedule, swap_of, start, end, out_start, out_end, in_start
         link = shares[t.id] if shares else OWN
         if link == RESIDENT:
             continue
-        if link == OWN or (in_place[t.id] and link in swap_of):
+        if link == OWN or (in_place[t.id] and link in swap_of and not swap_of[link].recompute):
             key = ("t", t.id)
             alloc[key] = (start[t.producer], 4 * t.producer, rounded(t.num_bytes))
         else:
@@ -308,9 +345,15 @@ def _executor_events(schedule, swap_of, start, end, out_start, out_end, in_start
         for g, group in enumerate(swap_of[tid].groups):
             key = ("in", tid, g)
             at = in_start[(tid, g)]
-            alloc[key] = (at, 4 * running(at), rounded(tensors[tid].num_bytes))
+            # A swap-in's buffer is taken when its transfer starts; clones run after their trigger
+            # has ended and freed what it was the last to read.
+            order = 4 * group.trigger + 3 if swap_of[tid].recompute else 4 * running(at)
+            alloc[key] = (at, order, rounded(tensors[tid].num_bytes))
             last = group.consumers[-1]
             free[key] = max(free.get(key, (0, 0)), (end[last], 4 * last + 2))
+            if swap_of[tid].extra:  # intermediate results of the clones, while they run
+                events.append((at, order, 2, -1 - tid, swap_of[tid].extra))
+                events.append((in_end[(tid, g)], order, 2, -1 - tid, -swap_of[tid].extra))
     for key, (time, order, size) in alloc.items():
         kind = 1 if key[0] == "t" else 0
         tid = key[1]

@@ -65,6 +65,8 @@ def _render(console, result) -> None:
     for label, x, y in rows:
         table.add_row(label, size(x), size(y), change(x, y))
     table.add_row("swap nodes", str(a.swap_nodes), str(b.swap_nodes), "")
+    if a.recompute_nodes or b.recompute_nodes:
+        table.add_row("recomputing nodes", str(a.recompute_nodes), str(b.recompute_nodes), "")
     console.print(table)
     what = f"loss and {result.variables} variables" if result.loss else f"{result.variables} variables"
     if result.outputs:

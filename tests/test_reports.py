@@ -178,7 +178,7 @@ def test_terminal_report_is_plain_and_complete(terminal):
             assert line.rstrip()[-1] == BOX_PAIRS[line[0]], line
     for needed in ("device", "budget", "peak without swapping", "predicted peak with plan", "on nvlink2", "on pcie3",
                    "Memory over one training step", "Largest tensors live at the peak, with the plan",
-                   "Swapped tensors (6, largest first"):
+                   "Swapped tensors (18, largest first"):
         assert needed in text, needed
     budget_rows = [line for line in lines if line.lstrip().startswith("budget 10.99 MiB ┤")]
     assert len(budget_rows) == 1 and "╌" in budget_rows[0]
@@ -372,7 +372,7 @@ def test_html_report_renders_in_headless_chromium(terminal, out, tmp_path):
     dom = subprocess.run(base + [f"--user-data-dir={tmp_path / 'profile-2'}", "--dump-dom", page.as_uri()],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120, check=True).stdout
     for text in ("lms plan: unet3d", "Device and budget", "Memory before and after", "Predicted overhead per link",
-                 "Swapped tensors (6", "down1/conv_a/Relu:0", "nvlink2", "pcie3", "<svg"):
+                 "Swapped tensors (18", "down1/conv_a/Relu:0", "nvlink2", "pcie3", "<svg"):
         assert text in dom, text
 
 

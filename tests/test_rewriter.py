@@ -69,7 +69,8 @@ def test_every_sample_at_standard_budgets(samples, name, tmp_path):
         graph = tf.Graph()
         with graph.as_default():
             tf.compat.v1.train.import_meta_graph(str(out))
-        swap_ops = [op for op in graph.get_operations() if op.name.startswith("lms/")]
+        swap_ops = [op for op in graph.get_operations()
+                    if op.name.startswith("lms/") and not op.name.startswith("lms/recompute/")]
         assert len(swap_ops) == report.swap_outs + report.swap_ins
         assert all(op.device.endswith("CPU:0") for op in swap_ops)
         assert all(not op.node_def.attr["_class"].list.s for op in swap_ops)
@@ -82,7 +83,8 @@ def test_every_sample_at_standard_budgets(samples, name, tmp_path):
         after = steps.run_steps(reloaded.meta_graph, model.fetches, batch_size=4)
         assert steps.first_difference(before, after) is None
         assert before.losses and before.variables
-        assert all(device.endswith("CPU:0") for device in after.placements.values())
+        assert all(device.endswith("CPU:0") for name, device in after.placements.items()
+                   if not name.startswith("lms/recompute/"))  # swap nodes on the host; clones where their originals run
 
         # Grappler's estimate is recorded beside the plan, per GPU.
         assert set(result.plan.grappler.get("per_device", {prepared.schedule.device: 0})) == set(prepared.devices)
@@ -269,7 +271,7 @@ def test_gelu_attention_style_net_stays_bit_identical_under_grappler(tmp_path):
     after = steps.run_steps(api.rewrite(prepared, unguarded.plan)[0], model.fetches, steps=2)
     assert steps.first_difference(before, after) is not None  # the danger is real on this graph
     result = api.tune(prepared, device, check=False)
-    assert result.plan.swaps and any("/Gelu/" in t for t in result.plan.grappler["left_alone"])
+    assert result.plan.edits and any("/Gelu/" in t for t in result.plan.grappler["left_alone"])
     new_graph, _ = api.rewrite(prepared, result.plan)
     after = steps.run_steps(new_graph, model.fetches, steps=2)
     assert steps.first_difference(before, after) is None

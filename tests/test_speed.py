@@ -23,7 +23,7 @@ def test_profile_lists_the_phases(samples, runner):
 def test_time_limit_returns_the_best_fitting_plan_found(samples, runner):
     """A limit that has passed before planning starts: the first fitting plan comes back, marked,
     and it swaps at least as much as the plan found without a limit."""
-    args = ("tune", samples / "resnet50.meta", "--gpu-mem", "85%", "--reserve", "0", "--json")
+    args = ("tune", samples / "resnet50.meta", "--gpu-mem", "85%", "--reserve", "0", "--json", "--strategy", "swap")
     limited = invoke(runner, *args, "--time-limit", "0.001", "-v")
     assert limited.exit_code == 0, limited.stderr
     doc = json.loads(limited.stdout)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from lmscli.errors import EXIT_DIFFERENT, InputError, LmsError
 from lmscli.prove.steps import (GPU_COPY_OPS, SCHEMA_VERSION, Difference, _check_cpu_kernels, compare, default_loss,
                                 map_gpu_ops, place_on_cpu, run_steps)
+from lmscli.rewriter import RECOMPUTE_SCOPE
 from lmscli.units import format_size
 
 
@@ -33,6 +34,7 @@ class GraphFigures:
     simulated_forwarding_peak_bytes: int | None = None  # simulated, forwarded buffers counted once
     variable_bytes: int | None = None  # declared variable storage (the simulator's resident variables)
     run_peak_bytes: int | None = None  # predicted for the graph TensorFlow runs (Grappler-optimized)
+    recompute_nodes: int = 0  # cloned ops that make tensors again (lms/recompute/)
 
     def measured_vs_simulated(self) -> float | None:
         """measured / simulated peak (resident variables in both)."""
@@ -51,7 +53,7 @@ class GraphFigures:
                 "simulated_forwarding_peak_bytes": self.simulated_forwarding_peak_bytes,
                 "variable_bytes": self.variable_bytes,
                 "run_peak_bytes": self.run_peak_bytes,
-                "swap_nodes": self.swap_nodes}
+                "swap_nodes": self.swap_nodes, "recompute_nodes": self.recompute_nodes}
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,8 @@ def _figures(model, fetches, batch_size, measure: bool, notes: list, label: str,
         notes.extend(f"{label}: {n}" for n in measured.notes)
     figures = GraphFigures(measured, simulated, grappler_peak, len(placed.swap_outs) + len(placed.swap_ins),
                            forwarding_peak(schedule) + schedule.resident_bytes, schedule.variable_bytes,
-                           prepared.run_peak_bytes)
+                           prepared.run_peak_bytes,
+                           sum(1 for node in meta.graph_def.node if node.name.startswith(RECOMPUTE_SCOPE)))
     return meta, figures
 
 

@@ -1,0 +1,232 @@
+"""Which tensors may be made again instead of kept or swapped, and from what (recipes).
+
+A *recipe* for a tensor ``t`` is a short chain of cheap ops of the step, ending with ``t``'s
+producer, and the tensors the chain reads from outside it (its *sources*). Running clones of the
+chain just before ``t``'s far consumers makes ``t`` again, bit for bit, when:
+
+* every op of the chain is deterministic and stateless (:data:`CHEAP_OPS`: element-wise math,
+  activations, bias adds, batch norms, pooling, concatenations, pads, casts, transposes; never a
+  random op, a variable update or an op of a while loop or cond branch);
+* every source still holds the value the original chain read: a constant, a variable that no op
+  has updated yet when the clones run (the ops that update it are made to wait for the clones,
+  which is possible only when they run after the trigger; checked per plan), or an activation
+  whose buffer is still on the GPU when the clones run (checked per plan: not swapped, not made
+  again itself, and read by an op after the clones);
+* Grappler's optimizations make the same kernels of the clones as of the originals: an edge the
+  remapper fuses (batch norm into activation, ...) is never cut, the chain takes in its producer
+  instead; nodes the optimizations remove are never read. The optimizer guard checks every plan.
+
+Recipes are listed shortest first: the planner takes the first whose sources are all on the GPU
+when the clones would run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lmscli.candidates import fused_edge
+from lmscli.graphview import CONTROL_FLOW_OPS, VARIABLE_OPS, GraphView
+from lmscli.memmodel import FORWARDING_OPS, IN_PLACE_OPS, RESIDENT
+from lmscli.schedule import CONSTANT_OPS, Schedule
+
+CHEAP_OPS = (IN_PLACE_OPS - {"AddN"}) | frozenset({
+    "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "MaxPool", "AvgPool", "MaxPool3D", "AvgPool3D",
+    "ConcatV2", "Pad", "PadV2", "MirrorPad", "Cast", "Transpose", "Softmax", "LogSoftmax",
+})
+MAX_OPS = 6  # ops in one recipe
+SMALL_SOURCE = 64 << 10  # sources this small are kept for the clones whenever they are made
+MAX_DEPTH = 3  # recipes per tensor: the producer, then up to two rings of cheap producers around it
+
+
+@dataclass(frozen=True)
+class Recipe:
+    positions: tuple[int, ...]  # schedule positions of the ops to clone, inputs first
+    sources: tuple[int, ...]  # tensor ids read from outside the chain that must still be on the GPU
+    cost: int  # microseconds the clones keep the GPU busy
+    extra: int  # bytes of intermediate results held while they run
+    writers: tuple[int, ...] = ()  # positions of the ops updating a variable the chain reads (they wait for it)
+    small: tuple[int, ...] = ()  # small sources, kept for the clones wherever they are
+
+
+def recipes(view: GraphView, schedule: Schedule, cands, fused: frozenset = frozenset()) -> dict[int, tuple[Recipe, ...]]:
+    """Recipes for the candidate tensors ``cands`` (ids) whose producer is a cheap op, shortest first."""
+    from lmscli.plan import recompute_cost
+
+    pos_of = {node: k for k, node in enumerate(schedule.nodes)}
+    tensor_of = {(t.producer, t.output): t.id for t in schedule.tensors}
+    stateless = _stateless_ops({view.ops[node] for node in schedule.nodes})
+    stateful = _StatefulOps()
+    out: dict[int, tuple[Recipe, ...]] = {}
+
+    def allowed(node: int) -> bool:
+        k = pos_of.get(node)
+        return (k is not None and schedule.on_gpu[k] and view.ops[node] in CHEAP_OPS and view.ops[node] in stateless
+                and not view.in_loop(node) and not view.conditional(node))
+
+    for tid in sorted(cands):
+        t = schedule.tensors[tid]
+        root = schedule.nodes[t.producer]
+        if not allowed(root):
+            continue
+        chain = {root}
+        found: list[Recipe] = []
+        for _depth in range(MAX_DEPTH):
+            chain = _close(view, chain, allowed, fused)
+            if chain is None or len(chain) > MAX_OPS:
+                break
+            found_sources = _sources(view, schedule, chain, pos_of, tensor_of)
+            if found_sources is None:
+                break
+            sources, variables, small = found_sources
+            writers = tuple(sorted({pos_of[w] for v in variables for w in _writers(view, v, stateful) if w in pos_of}))
+            positions = tuple(sorted(pos_of[n] for n in chain))
+            if positions[-1] != t.producer:
+                break  # an op of the chain runs after the tensor's producer: not a chain ending in it
+            cost, extra = recompute_cost(schedule, positions)
+            if not found or found[-1].sources != sources:
+                found.append(Recipe(positions, sources, cost, extra, writers, small))
+            grown = chain | {schedule.nodes[schedule.tensors[s].producer] for s in sources
+                             if allowed(schedule.nodes[schedule.tensors[s].producer])}
+            if grown == chain:
+                break
+            chain = grown
+        if found:
+            out[tid] = tuple(found)
+    return out
+
+
+def _close(view: GraphView, chain: set, allowed, fused: frozenset):
+    """``chain`` with the producers of every edge into it that Grappler fuses or folds (an edge
+    from a node the optimizations remove, other than an identity or reshape they look through);
+    None when such a producer may not be recomputed."""
+    chain = set(chain)
+    todo = list(chain)
+    while todo:
+        node = todo.pop()
+        for src, _out in view.data_inputs[node]:
+            if src in chain or view.ops[src] in CONSTANT_OPS or _variable_of(view, src) is not None:
+                continue  # constants and variables are read as they are (Grappler may fold or merge them)
+            if fused_edge(view.ops[src], view.ops[node]) or (view.names[src] in fused
+                                                              and view.ops[src] not in FORWARDING_OPS):
+                if not allowed(src):
+                    return None
+                chain.add(src)
+                todo.append(src)
+    return chain
+
+
+def _sources(view: GraphView, schedule: Schedule, chain: set, pos_of: dict, tensor_of: dict):
+    """``(tensor ids, variable nodes, small tensor ids)`` the chain reads from outside: the tensors
+    that must be on the GPU when it runs again, the variables whose value it reads, and tensors of
+    at most :data:`SMALL_SOURCE` bytes (scalars, per-channel vectors: the clones keep them, at no
+    cost worth counting; they must not be swapped or made again); None when the
+    chain reads something a clone may not (a host value that is not a constant, a control-flow
+    output, a tensor the schedule does not count)."""
+    out, variables, small = set(), set(), set()
+    for node in chain:
+        for src, output in view.data_inputs[node]:
+            if src in chain:
+                continue
+            op = view.ops[src]
+            if op in CONSTANT_OPS:
+                continue
+            variable = _variable_of(view, src)
+            if variable is not None:
+                variables.add(variable)
+                continue
+            if op in CONTROL_FLOW_OPS or op in VARIABLE_OPS:
+                return None
+            k = pos_of.get(src)
+            tid = tensor_of.get((k, output)) if k is not None else None
+            if tid is None or (schedule.shares and schedule.shares[tid] == RESIDENT):
+                return None  # not counted, or resident without being a variable's read
+            if schedule.tensors[tid].num_bytes <= SMALL_SOURCE:
+                small.add(tid)
+            else:
+                out.add(tid)
+    return tuple(sorted(out)), tuple(sorted(variables)), tuple(sorted(small))
+
+
+def _variable_of(view: GraphView, node: int) -> int | None:
+    """The variable whose value ``node`` is: the variable itself (a reference variable), its
+    ``read`` Identity, or a ReadVariableOp of its handle; else None."""
+    for _ in range(8):
+        op = view.ops[node]
+        if op in VARIABLE_OPS:
+            return node
+        if op not in ("Identity", "Snapshot", "ReadVariableOp") or not view.data_inputs[node]:
+            return None
+        node = view.data_inputs[node][0][0]
+    return None
+
+
+def _writers(view: GraphView, variable: int, stateful) -> list[int]:
+    """Ops that may change ``variable``: stateful ops reading its handle (directly or through an
+    Identity) other than plain reads; every op but a read taking a reference variable (``Assign``,
+    ``ApplyMomentum``: reference inputs are written in place by ops the registry does not mark
+    stateful)."""
+    out, todo, seen = [], [variable], {variable}
+    while todo:
+        node = todo.pop()
+        for dst, _port, _out in view.consumers[node]:
+            op = view.ops[dst]
+            if op in ("Identity", "Snapshot") and dst not in seen and view.ops[node] in VARIABLE_OPS:
+                seen.add(dst)
+                if op != "Identity" or view.ops[variable] == "VarHandleOp":
+                    todo.append(dst)  # a handle passed on (a ref variable's Identity is a read)
+                continue
+            if op in _READS:
+                continue
+            if stateful(op) or view.ops[variable] != "VarHandleOp":
+                out.append(dst)  # reference inputs are updated in place by ops not marked stateful
+    return out
+
+
+_READS = frozenset({"ReadVariableOp", "VarIsInitializedOp", "IsVariableInitialized", "VariableShape"})
+
+
+class _StatefulOps:
+    """``stateful(op)``: TensorFlow's registry says ``op`` is stateful (unknown ops count as such)."""
+
+    def __init__(self):
+        self._known: dict[str, bool] = {}
+
+    def __call__(self, op: str) -> bool:
+        if op not in self._known:
+            from tensorflow.python.framework import op_def_registry
+
+            op_def = op_def_registry.get(op)
+            self._known[op] = op_def is None or op_def.is_stateful
+        return self._known[op]
+
+
+def _stateless_ops(ops) -> frozenset:
+    """The ops among ``ops`` that TensorFlow's registry says are stateless (random ops are stateful)."""
+    from lmscli.tfimport import tensorflow
+
+    tensorflow()
+    from tensorflow.python.framework import op_def_registry
+
+    out = set()
+    for op in ops:
+        op_def = op_def_registry.get(op)
+        if op_def is not None and not op_def.is_stateful:
+            out.add(op)
+    return frozenset(out)
+
+
+def buffer_ends(schedule: Schedule) -> tuple[int, ...]:
+    """Per tensor, the last position reading its buffer (any tensor sharing it); resident and
+    unread tensors: their own last use or the end of the step."""
+    n = len(schedule)
+    last = [t.consumers[-1] if t.consumers else t.producer for t in schedule.tensors]
+    if schedule.memory_model != "executor" or not schedule.shares:
+        return tuple(last)
+    from lmscli.memmodel import roots
+
+    root = roots(schedule)
+    end: dict[int, int] = {}
+    for t in schedule.tensors:
+        r = root[t.id]
+        end[r] = max(end.get(r, -1), last[t.id])
+    return tuple(n if root[t.id] < 0 else end[root[t.id]] for t in schedule.tensors)

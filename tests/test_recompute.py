@@ -1,0 +1,230 @@
+"""Recomputation: tensors made again from what is still on the GPU instead of kept or swapped.
+
+The graphs are built here with tf.compat.v1 (resource variables, as TensorFlow 2 makes them, and
+reference variables, as TensorFlow 1 did): convolutions with fused batch norms, ReLUs, pooling, a
+residual add and dropout. Every rewrite is trained against the original for bit-identity.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lmscli import api
+from lmscli.planner import TuneOptions
+from lmscli.simulator import SimSwap, SwapIn, simulate
+from tests.conftest import invoke
+
+
+def _bn_cnn(path, resource: bool = True, dropout: bool = True, batch: int = 16):
+    """conv -> batch norm -> relu blocks with a residual add, max pooling and (optionally) dropout."""
+    from lmscli.tfimport import tensorflow
+
+    tf = tensorflow()
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(0)
+        x = v1.placeholder(tf.float32, [batch, 32, 32, 3], name="images")
+        y = v1.placeholder(tf.float32, [batch, 10], name="labels")
+
+        def var(name, shape, init):
+            return v1.get_variable(name, shape, initializer=init, use_resource=resource)
+
+        def block(h, name, cin, cout):
+            w = var(f"{name}/w", [3, 3, cin, cout], v1.truncated_normal_initializer(0, 0.1, seed=len(name)))
+            gamma = var(f"{name}/gamma", [cout], v1.ones_initializer())
+            beta = var(f"{name}/beta", [cout], v1.zeros_initializer())
+            h = tf.nn.conv2d(h, w, 1, "SAME", name=f"{name}/conv")
+            h, _, _ = v1.nn.fused_batch_norm(h, gamma, beta, is_training=True, name=f"{name}/bn")
+            return tf.nn.relu(h, name=f"{name}/relu")
+
+        h = block(x, "b1", 3, 16)
+        h = block(h, "b2", 16, 16) + h
+        h = tf.nn.max_pool2d(h, 2, 2, "VALID", name="pool")
+        h = block(h, "b3", 16, 32)
+        if dropout:
+            keep = tf.cast(tf.random.uniform(tf.shape(h), seed=7) >= 0.2, tf.float32)
+            h = tf.multiply(h * keep, 1.25, name="dropout")
+        h = tf.reshape(h, [batch, 16 * 16 * 32])
+        head = var("head", [16 * 16 * 32, 10], v1.truncated_normal_initializer(0, 0.01, seed=3))
+        logits = tf.matmul(h, head)
+        loss = tf.identity(tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(labels=y, logits=logits)), name="loss")
+        v1.add_to_collection("train_op", v1.train.MomentumOptimizer(0.05, 0.9).minimize(loss))
+        v1.train.export_meta_graph(str(path), graph=graph)
+    return path
+
+
+@pytest.fixture(scope="module")
+def cnn(tmp_path_factory):
+    path = _bn_cnn(tmp_path_factory.mktemp("recompute") / "bn_cnn.meta")
+    model = api.load(str(path))
+    return path, model, api.prepare(model)
+
+
+def _identical(model, rewritten) -> None:
+    from lmscli.prove import steps
+
+    before = steps.run_steps(model.meta_graph, model.fetches, steps=2)
+    after = steps.run_steps(rewritten, model.fetches, steps=2)
+    assert steps.first_difference(before, after) is None
+
+
+def _between(prepared, share: float) -> int:
+    bound = api.analyze(prepared).lower_bound_bytes
+    return int(bound + share * (prepared.run_peak_bytes - bound))
+
+
+def test_a_recomputation_frees_the_gap_and_costs_its_clones_time():
+    """The simulator: a tensor made again is gone between its near and far consumers, comes back
+    when the trigger ends, and the clones' time delays every later op."""
+    from lmscli.schedule import Schedule, SimTensor
+
+    # a -> t0 (1000 B) read by b and e; b -> t1 -> c -> t2 (800 B) -> d -> t3 -> e.
+    sched = Schedule(nodes=(0, 1, 2, 3, 4), names=("a", "b", "c", "d", "e"), ops=("Relu",) * 5,
+                     levels=(0, 1, 2, 3, 4), compute=(10,) * 5, on_gpu=(True,) * 5,
+                     tensors=(SimTensor(0, 0, 0, 1000, (1, 4)), SimTensor(1, 1, 0, 10, (2,)),
+                              SimTensor(2, 2, 0, 800, (3,)), SimTensor(3, 3, 0, 10, (4,)), SimTensor(4, 4, 0, 10, ())),
+                     inputs=((), (0,), (1,), (2,), (0, 3)), variable_bytes=0,
+                     constant_bytes=0).with_memory_model("executor")
+    base = simulate(sched)
+    again = SimSwap(0, (1,), (SwapIn((4,), 3),), kind="recompute", cost=4, chain=(0,))
+    made = simulate(sched, [again])
+    assert base.peak_bytes == 1024 + 256 + 1024  # t0, t1 and t2 while c runs (sizes rounded to 256)
+    assert made.peak_bytes == 1024 + 256  # t0 is gone while c runs; made again after d, beside t3
+    assert made.step_time == pytest.approx(base.step_time + 4e-6)
+    assert made.starts[4] == base.starts[4] + 4e-6 * 1e6  # e waits for the clone
+    assert made.recompute_time == pytest.approx(4e-6) and made.num_recomputes == 1
+    assert made.swap_out_bytes == 0 and made.host_peak_bytes == 0 and made.recompute_bytes == 1000
+
+
+def test_recipes_clone_cheap_chains_and_never_random_or_stateful_ops(cnn):
+    """Batch norm and relu are made again together (Grappler fuses them), from the convolution's
+    output; the dropout mask's random op is never part of a recipe."""
+    from lmscli.planner import _Context
+
+    _path, _model, prepared = cnn
+    ctx = _Context(prepared, api.make_device(gpu_mem=1 << 30, reserve=0.0), api.Filters())
+    sched, view = prepared.schedule, prepared.view
+    made = {sched.names[sched.tensors[t].producer]: r for t, r in ctx.recipes.items()}
+    assert "b1/relu" in made
+    ops = [sched.names[k] for k in made["b1/relu"][0].positions]
+    assert ops == ["b1/bn", "b1/relu"]
+    assert [sched.names[sched.tensors[s].producer] for s in made["b1/relu"][0].sources] == ["b1/conv"]
+    for recipes in ctx.recipes.values():
+        for recipe in recipes:
+            for k in recipe.positions:
+                assert not view.ops[sched.nodes[k]].startswith("Random")
+                assert view.ops[sched.nodes[k]] not in ("Conv2D", "MatMul")
+    # The batch norm reads gamma and beta: their updates wait for the clones.
+    assert made["b1/relu"][0].writers
+    assert all("Momentum" in sched.ops[w] for w in made["b1/relu"][0].writers)
+
+
+@pytest.mark.parametrize("resource", [True, False], ids=["resource-variables", "reference-variables"])
+def test_a_recompute_only_plan_trains_bit_identically(tmp_path, resource):
+    """Gradient checkpointing done automatically: with --strategy recompute the plan moves no
+    byte over the link, fits the budget on the graph TensorFlow runs, and trains bit-identically
+    (dropout included: the mask is read, never made again), with reference variables too."""
+    model = api.load(str(_bn_cnn(tmp_path / "cnn.meta", resource=resource)))
+    prepared = api.prepare(model)
+    device = api.make_device(gpu_mem=_between(prepared, 0.7), reserve=0.0, link="pcie3")
+    result = api.tune(prepared, device, TuneOptions(strategy="recompute"))
+    plan = result.plan
+    assert result.fits and plan.recomputes and not plan.swaps
+    assert plan.predicted["run_peak_bytes"] <= device.budget
+    assert plan.predicted["recompute_time_s"] > 0 and plan.predicted["swap_out_bytes"] == 0
+    new_graph, report = api.rewrite(prepared, plan)
+    clones = [n for n in new_graph.graph_def.node if n.name.startswith("lms/recompute/")]
+    assert report.recomputes == sum(len(r.groups) for r in plan.recomputes)
+    assert len(clones) == sum(len(r.ops) * len(r.groups) for r in plan.recomputes)
+    assert not any(n.op.startswith("Random") for n in clones)
+    writers = {w for r in plan.recomputes for w in r.waiters}
+    nodes = {n.name: n for n in new_graph.graph_def.node}
+    for r in plan.recomputes:  # every variable update waits for the clones that read the variable
+        for w in r.waiters:
+            assert any(i.startswith("^lms/recompute/") for i in nodes[w].input)
+    assert writers or not any(("bn" in op) for r in plan.recomputes for op in r.ops)
+    _identical(model, new_graph)
+
+
+def test_the_hybrid_prefers_recomputation_on_pcie_and_is_never_slower(cnn):
+    """On PCIe the link is the bottleneck: the hybrid makes cheap tensors again where swaps
+    would wait for transfers; its predicted step is never longer than either pure plan's, and
+    a plan mixing swaps and recomputations trains bit-identically."""
+    _path, model, prepared = cnn
+    budget = _between(prepared, 0.6)
+    figures = {}
+    for strategy in ("swap", "recompute", "hybrid"):
+        device = api.make_device(gpu_mem=budget, reserve=0.0, link="pcie3")
+        try:
+            result = api.tune(prepared, device, TuneOptions(strategy=strategy), check=False)
+        except api.NoFitError:
+            continue
+        figures[strategy] = result
+    hybrid = figures["hybrid"]
+    assert hybrid.fits and hybrid.plan.strategy == "hybrid"
+    for other in ("swap", "recompute"):
+        if other in figures:
+            assert hybrid.result.step_time <= figures[other].result.step_time + 1e-9
+    assert hybrid.plan.recomputes and hybrid.result.step_time < 0.5 * figures["swap"].result.step_time
+    new_graph, _ = api.rewrite(prepared, hybrid.plan)
+    _identical(model, new_graph)
+
+
+def test_mixed_plans_pass_the_same_checks(cnn, tmp_path):
+    """Swaps and recomputations in one plan: hand-made from a recompute plan and a swap plan of
+    different tensors, emitted, validated and trained bit-identically."""
+    from dataclasses import replace
+
+    _path, model, prepared = cnn
+    device = api.make_device(gpu_mem=_between(prepared, 0.8), reserve=0.0)
+    re_plan = api.tune(prepared, device, TuneOptions(strategy="recompute"), check=False).plan
+    swap_plan = api.tune(prepared, device, TuneOptions(strategy="swap"), check=False).plan
+    recomputed = {r.tensor for r in re_plan.recomputes}
+    read = {op for r in re_plan.recomputes for op in r.ops} | {g.trigger for r in re_plan.recomputes for g in r.groups}
+    swaps = tuple(s for s in swap_plan.swaps if s.tensor not in recomputed and s.tensor.split(":")[0] not in read)
+    assert swaps and re_plan.recomputes
+    mixed = replace(re_plan, swaps=swaps)
+    new_graph, report = api.rewrite(prepared, mixed)
+    assert report.swap_outs == len(swaps) and report.recomputes
+    _identical(model, new_graph)
+
+
+def test_plans_with_recomputations_round_trip_and_reapply(cnn, runner, tmp_path):
+    """--plan-out writes each recomputation (tensor, ops cloned, consumers, trigger, waiters);
+    --plan re-applies it to the same graph, byte for byte."""
+    path, _model, prepared = cnn
+    limit = str(_between(prepared, 0.7))
+    plan_file, first, second = tmp_path / "plan.json", tmp_path / "a.meta", tmp_path / "b.meta"
+    made = invoke(runner, "rewrite", path, first, "--gpu-mem", limit, "--reserve", "0", "--strategy", "recompute",
+                  "--plan-out", plan_file, "--json")
+    assert made.exit_code == 0, made.output
+    doc = json.loads(made.stdout)
+    assert doc["recomputes"] > 0 and doc["plan"]["strategy"] == "recompute"
+    saved = json.loads(plan_file.read_text())
+    entry = saved["recomputes"][0]
+    assert set(entry) >= {"tensor", "bytes", "near", "ops", "groups", "waiters"}
+    again = invoke(runner, "rewrite", path, second, "--plan", plan_file, "-q")
+    assert again.exit_code == 0, again.output
+    assert first.read_bytes() == second.read_bytes()
+    shown = invoke(runner, "tune", path, "--gpu-mem", limit, "--reserve", "0", "--strategy", "recompute")
+    assert shown.exit_code == 0 and "Recomputed tensors" in shown.stdout and "recomputations" in shown.stdout
+
+
+def test_a_broken_recomputation_is_refused(cnn):
+    """A plan whose clones do not end in the tensor's producer, or name an op the graph does not
+    have, is refused with an actionable error before anything is written."""
+    from dataclasses import replace
+
+    from lmscli.errors import PlanError
+
+    _path, _model, prepared = cnn
+    device = api.make_device(gpu_mem=_between(prepared, 0.7), reserve=0.0)
+    plan = api.tune(prepared, device, TuneOptions(strategy="recompute"), check=False).plan
+    first = plan.recomputes[0]
+    with pytest.raises(PlanError, match="do not end in its producer"):
+        api.rewrite(prepared, replace(plan, recomputes=(replace(first, ops=first.ops[:-1] + ("b1/conv",)),)))
+    with pytest.raises(PlanError, match="not in the graph"):
+        api.rewrite(prepared, replace(plan, recomputes=(replace(first, ops=("nope",) + first.ops),)))
