@@ -20,12 +20,15 @@ A recomputation of ``t = R(Q(x))`` whose far consumer ``B`` runs late clones the
 
     before                         after
     x --> Q --> R --t--> A         x --> Q --> R --t--> A
-                  --t--> B         x --> lms/recompute/R_0/0/Q --> lms/recompute/R_0/0/R --> B
-                                         ^trigger - - - - - - - - - - ^trigger
+                  --t--> B         x --> lms/recompute/R_0/0/gate --> .../Q --> .../R --> B
+                                               ^ - - - trigger
 
 The clones copy the originals' op and attributes (not ``_class``) and wait for the trigger, the
 latest op before ``B`` that ``B`` depends on, so they run just before ``B`` and ``t``'s buffer
-is free in between. Ops that update a variable the clones read wait for the last clone.
+is free in between. They wait through an Identity *gate* on their first input (``x`` above
+reaches ``Q``'s clone through ``lms/recompute/R_0/0/gate``, which has the control edge): Grappler's
+remapper fuses no op with a control edge, and the clones must fuse as the originals do. Ops that
+update a variable the clones read wait for a ``done`` Identity of the last clone.
 
 Inserted swap nodes live under ``lms/``, carry ``_grappler_do_not_remove`` and never a ``_class``
 colocation attribute. The result is validated (unique names, no dangling inputs, no cycles).
@@ -55,6 +58,7 @@ class RewriteReport:
     added_nodes: tuple[str, ...]
     recomputes: int = 0  # groups of consumers reading clones
     recompute_bytes: int = 0
+    clones: int = 0  # cloned ops (the rest of the recomputation's nodes are Identity gates)
 
     def summary(self) -> str:
         from lmscli.units import format_size
@@ -63,8 +67,8 @@ class RewriteReport:
                 f"operations ({format_size(self.swap_out_bytes)}) and {self.swap_ins} swap-in operations "
                 f"({format_size(self.swap_in_bytes)})")
         if self.recomputes:
-            clones = len(self.added_nodes) - self.swap_outs - self.swap_ins
-            line += f", {clones} cloned operations recomputing {format_size(self.recompute_bytes)} in {self.recomputes} place(s)"
+            line += (f", {self.clones} cloned operations recomputing {format_size(self.recompute_bytes)} in "
+                     f"{self.recomputes} place(s)")
         return line + ")"
 
 
@@ -176,7 +180,7 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
         waiters += [w for w in swap.waiters if w not in waiters]
         for waiter in waiters:
             add_control(waiter, swapout)
-    n_re = re_bytes = 0
+    n_re = re_bytes = n_clones = 0
     for rec in plan.recomputes:
         producer, output, _ = parse_input(rec.tensor)
         missing = [op for op in rec.ops + (producer,) if op not in nodes]
@@ -188,15 +192,29 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
         for g, group in enumerate(rec.groups):
             if group.trigger not in nodes:
                 raise PlanError(f"the plan's trigger {group.trigger!r} is not in the graph")
-            clones = _clone_chain(graph, nodes, rec.ops, f"{RECOMPUTE_SCOPE}{_safe(producer)}_{output}/{g}/",
-                                  unique, group.trigger)
+            prefix = f"{RECOMPUTE_SCOPE}{_safe(producer)}_{output}/{g}/"
+
+            def gate(src: str, out: int, prefix=prefix, trigger=group.trigger) -> str:
+                dtype = dtypes.get((src, out))
+                if dtype is None:
+                    raise PlanError(f"cannot tell the dtype of {src}:{out}")
+                node = add_identity(unique(f"{prefix}gate"), _tensor_ref(src, out), dtype, nodes[src].device)
+                node.input.append("^" + trigger)
+                return node.name
+
+            clones = _clone_chain(graph, nodes, rec.ops, prefix, unique, gate)
             added.extend(clones.values())
-            control_edges += len(clones)
+            n_clones += len(clones)
+            control_edges += 1
             n_re += 1
             re_bytes += rec.bytes
             made = _tensor_ref(clones[producer], output)
-            for waiter in rec.waiters:  # variable updates wait until the clones have read the variable
-                add_control(waiter, clones[producer])
+            if rec.waiters:  # variable updates wait until the clones have read the variable
+                dtype = dtypes.get((producer, output))
+                done = add_identity(unique(f"{prefix}done"), _tensor_ref(clones[producer], output), dtype,
+                                    nodes[producer].device)
+                for waiter in rec.waiters:
+                    add_control(waiter, done.name)
             for consumer in group.consumers:
                 target = nodes.get(consumer)
                 if target is None:
@@ -215,14 +233,17 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
         GraphView(graph)
     except GraphError as exc:
         raise GraphError(f"the rewritten graph is invalid: {exc}") from None
-    report = RewriteReport(len(plan.swaps), n_in, out_bytes, in_bytes, control_edges, tuple(added), n_re, re_bytes)
+    report = RewriteReport(len(plan.swaps), n_in, out_bytes, in_bytes, control_edges, tuple(added), n_re, re_bytes,
+                           n_clones)
     return out, report
 
 
-def _clone_chain(graph, nodes: dict, ops, prefix: str, unique, trigger: str) -> dict[str, str]:
-    """Add clones of ``ops`` (inputs first) reading each other where the originals do, everything
-    else where the originals read it, and waiting for what the originals wait for and for
-    ``trigger``; original name -> clone name."""
+def _clone_chain(graph, nodes: dict, ops, prefix: str, unique, gate) -> dict[str, str]:
+    """Add clones of ``ops`` (inputs first) reading each other where the originals do and
+    everything else where the originals read it; original name -> clone name. A clone reading no
+    other clone reads its first input through ``gate(input)`` (an Identity waiting for the
+    trigger), so the chain waits for the trigger without a control edge of its own: Grappler's
+    remapper does not fuse ops with control edges, and the clones must fuse as the originals do."""
     clones: dict[str, str] = {}
     for name in ops:
         original = nodes[name]
@@ -232,13 +253,16 @@ def _clone_chain(graph, nodes: dict, ops, prefix: str, unique, trigger: str) -> 
         if "_class" in clone.attr:
             del clone.attr["_class"]
         del clone.input[:]
-        for text in original.input:
-            src, output, control = parse_input(text)
-            if control:
-                clone.input.append(text)  # what the original waited for
+        data = [parse_input(text) for text in original.input if not text.startswith("^")]
+        gated = not any(src in clones for src, _output, _control in data)
+        for k, (src, output, _control) in enumerate(data):
+            if src in clones:
+                clone.input.append(_tensor_ref(clones[src], output))
+            elif gated and k == 0:
+                clone.input.append(gate(src, output))
             else:
-                clone.input.append(_tensor_ref(clones[src], output) if src in clones else text)
-        clone.input.append("^" + trigger)
+                clone.input.append(_tensor_ref(src, output))
+        clone.input.extend(text for text in original.input if text.startswith("^"))  # what the original waited for
         clones[name] = clone.name
     return clones
 

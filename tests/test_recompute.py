@@ -136,15 +136,19 @@ def test_a_recompute_only_plan_trains_bit_identically(tmp_path, resource):
     assert plan.predicted["run_peak_bytes"] <= device.budget
     assert plan.predicted["recompute_time_s"] > 0 and plan.predicted["swap_out_bytes"] == 0
     new_graph, report = api.rewrite(prepared, plan)
-    clones = [n for n in new_graph.graph_def.node if n.name.startswith("lms/recompute/")]
+    added = [n for n in new_graph.graph_def.node if n.name.startswith("lms/recompute/")]
+    clones = [n for n in added if n.op != "Identity"]
     assert report.recomputes == sum(len(r.groups) for r in plan.recomputes)
-    assert len(clones) == sum(len(r.ops) * len(r.groups) for r in plan.recomputes)
+    assert len(clones) == report.clones == sum(len(r.ops) * len(r.groups) for r in plan.recomputes)
+    gates = [n for n in added if n.name.endswith("/gate")]
+    assert len(gates) == report.recomputes and all(n.input[-1].startswith("^") for n in gates)
+    assert all(not i.startswith("^") for n in clones for i in n.input)  # the gates wait, so the clones fuse
     assert not any(n.op.startswith("Random") for n in clones)
     writers = {w for r in plan.recomputes for w in r.waiters}
     nodes = {n.name: n for n in new_graph.graph_def.node}
     for r in plan.recomputes:  # every variable update waits for the clones that read the variable
         for w in r.waiters:
-            assert any(i.startswith("^lms/recompute/") for i in nodes[w].input)
+            assert any(i.startswith("^lms/recompute/") and i.endswith("/done") for i in nodes[w].input)
     assert writers or not any(("bn" in op) for r in plan.recomputes for op in r.ops)
     _identical(model, new_graph)
 
