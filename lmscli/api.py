@@ -21,7 +21,8 @@ from lmscli.device import Device, make_device
 from lmscli.errors import InputError, NoFitError, PlanError
 from lmscli.loader import Model, atomic_write, load, serialize
 from lmscli.plan import Plan, graph_fingerprint
-from lmscli.planner import TFLMS_SEARCH_MAX_OPS, TflmsParams, TuneOptions, TuneResult, serialization_chains
+from lmscli.planner import (TFLMS_SEARCH_MAX_OPS, TflmsParams, TuneOptions, TuneResult, serialization_chains,
+                             strategy_name)
 from lmscli.rewriter import DEFAULT_HOST_DEVICE, RewriteReport
 from lmscli.timing import timed
 from lmscli.units import format_size
@@ -130,7 +131,18 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
     :func:`checked_tune`). When the simulator finds no plan, TFLMS's parameter sets are tried
     with Grappler's estimate as the judge (:func:`reordering_fallback`)."""
     try:
-        return checked_tune(prepared, device, options, check, host_device, guard)
+        try:
+            return checked_tune(prepared, device, options, check, host_device, guard)
+        except NoFitError as exc:
+            if strategy_name(options.strategy) != "hybrid" or timing.out_of_time() or (
+                    exc.bound_bytes is not None and exc.bound_bytes > device.budget):
+                raise
+            # The judge turned down every plan the hybrid chose (each the fastest of its round), and
+            # a swap-only plan may still pass: the hybrid reaches every budget the swap planner does.
+            result = checked_tune(prepared, device, replace(options, strategy="swap"), check, host_device, guard)
+            line = ("[LMS] no plan with recomputations passed the judge at this budget; the swap-only planner's "
+                    "plan does")
+            return replace(result, log=result.log + (line,))
     except NoFitError as exc:
         if not check or options.tflms is not None or prepared.schedule.memory_model != "grappler":
             raise

@@ -45,6 +45,7 @@ class PlannedRecompute:
     groups: tuple[PlannedSwapIn, ...]  # consumers rewired to a clone, and the op the clones wait for
     waiters: tuple[str, ...] = ()  # ops updating a variable the clones read: they wait for the clones
     gpu: str = ""
+    via: tuple[tuple[str, int], ...] = ()  # (swapped tensor, swap-in group) the clones read it from
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class Plan:
                     tensor=r["tensor"], bytes=int(r["bytes"]), near=tuple(r.get("near", ())), ops=tuple(r["ops"]),
                     groups=tuple(PlannedSwapIn(tuple(g["consumers"]), g["trigger"]) for g in r["groups"]),
                     waiters=tuple(r.get("waiters", ())), gpu=str(r.get("gpu", "")),
+                    via=tuple((str(v[0]), int(v[1])) for v in r.get("via", ())),
                 )
                 for r in data.get("recomputes", ())
             )
@@ -166,9 +168,13 @@ def to_sim(plan_swaps, schedule: Schedule) -> list[SimSwap]:
         if isinstance(swap, PlannedRecompute):
             chain = tuple(sorted(pos(op, "recomputed op") for op in swap.ops))
             cost, extra = recompute_cost(schedule, chain)
+            unknown = [v for v, _g in swap.via if v not in ids]
+            if unknown:
+                raise PlanError(f"the plan recomputes from {unknown[0]!r}, which is not a tensor of this graph's step")
             out.append(SimSwap(ids[swap.tensor], tuple(sorted(pos(c, "consumer") for c in swap.near)), groups,
                                waiters=tuple(sorted(pos(w, "waiter") for w in swap.waiters)),
-                               kind="recompute", cost=cost, extra=extra, chain=chain))
+                               kind="recompute", cost=cost, extra=extra, chain=chain,
+                               via=tuple((ids[v], g) for v, g in swap.via)))
             continue
         out.append(SimSwap(ids[swap.tensor], tuple(sorted(pos(c, "consumer") for c in swap.near)), groups,
                            swap.sync_out, tuple(sorted(pos(w, "waiter") for w in swap.waiters))))
@@ -225,5 +231,7 @@ def recomputes_from_sim(sim_swaps, schedule: Schedule) -> tuple[PlannedRecompute
                          for g in s.groups),
             waiters=tuple(schedule.names[w] for w in s.waiters),
             gpu=schedule.device,
+            via=tuple((f"{schedule.names[schedule.tensors[v].producer]}:{schedule.tensors[v].output}", g)
+                      for v, g in s.via),
         ))
     return tuple(out)

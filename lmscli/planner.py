@@ -799,6 +799,12 @@ def _best_plan(ctx: _Context, budget_act: int, baseline: SimResult, log: list[st
         try:
             swaps, result = plan_lms(ctx, budget_act, baseline, lines, modes)
             found.append((origin, swaps, result, {}, lines))
+            if strategy == "hybrid" and modes == ("swap",):
+                converted = _with_recomputations(ctx, swaps, budget_act, result)
+                if converted is not None:
+                    found.append((len(runs) + 1, converted[0], converted[1], {},
+                                  lines + [f"[LMS] {converted[1].num_recomputes} swap(s) of the swap-only plan "
+                                           "made recomputations, where that shortens the step"]))
         except _Stuck as stuck:
             stuck_at = stuck_at or stuck
             lines.append(f"[LMS] greedy planning ({' and '.join(modes)}) stuck at {ctx.schedule.names[stuck.position]}")
@@ -814,6 +820,13 @@ def _best_plan(ctx: _Context, budget_act: int, baseline: SimResult, log: list[st
         limited = True
     else:
         _tflms_candidate(ctx, budget_act, options, found, len(runs))
+        tflms = [f for f in found if f[0] == len(runs)]
+        if strategy == "hybrid" and tflms and not timing.out_of_time():
+            converted = _with_recomputations(ctx, tflms[0][1], budget_act, tflms[0][2])
+            if converted is not None:
+                found.append((len(runs) + 1, converted[0], converted[1], tflms[0][3],
+                              [f"[LMS] {converted[1].num_recomputes} swap(s) of the TFLMS-style plan made "
+                               "recomputations, where that shortens the step"]))
     if not found:
         raise NoFitError(_stuck_message(ctx, stuck_at, strategy, budget_act, lb), bound_bytes=lb,
                          binding_op=ctx.schedule.names[stuck_at.position],
@@ -834,6 +847,8 @@ def _best_plan(ctx: _Context, budget_act: int, baseline: SimResult, log: list[st
         log.append("[LMS] the recompute-only plan gives the shortest step here; using it")
     elif strategy == "hybrid" and origin == 2:
         log.append("[LMS] the swap-only plan is as fast here as any with recomputation; using it")
+    elif strategy == "hybrid" and origin == len(runs) + 1:
+        log.append("[LMS] a swap plan with some of its swaps made recomputations gives the shortest step; using it")
     if result.num_recomputes:
         log.append(f"[LMS] {result.num_recomputes} recomputation(s) take {result.recompute_time * 1e3:.3f} ms of GPU "
                    f"time where swaps on this link ({ctx.device.link_name}) would have waited for the transfers")
@@ -841,6 +856,75 @@ def _best_plan(ctx: _Context, budget_act: int, baseline: SimResult, log: list[st
         log.append("[LMS] stopped at --time-limit: the first fitting plan, other candidates untried "
                    "(more time may find a faster one, or one that moves less)")
     return swaps, result, params, limited
+
+
+def _with_recomputations(ctx: _Context, swaps: list, budget_act: int, result: SimResult):
+    """The swaps of a fitting plan turned into recomputations one by one, largest first, wherever
+    that shortens the predicted step and the plan still fits: ``(swaps, result)``, or None when
+    none could be. Reaches every budget the swap plan reaches, with less traffic on the link."""
+    if not ctx.recipes:
+        return None
+    current = {s.tensor: s for s in swaps}
+    best = result.step_time
+    changed = False
+    held: set[int] = set()  # sources of the recomputations made: never swapped or recomputed
+    sched = ctx.schedule
+    for tid in sorted(current, key=lambda t: (-sched.tensors[t].num_bytes, t)):
+        if tid not in ctx.recipes or timing.out_of_time():
+            continue
+        swap = current[tid]
+        if swap.recompute or swap.waiters or swap.sync_out:
+            continue
+        if len(swap.groups) != 1 or tid in held:
+            continue  # (a recomputation made a moment ago reads it: it stays as it is)
+        group = swap.groups[0]
+        v = group.consumers[0]
+        earliest = max(swap.near[-1] if swap.near else sched.tensors[tid].producer, group.trigger)
+        trig = ctx.trigger(v, v - 1, earliest)
+        if trig is None:
+            trig = ctx.any_trigger(v - 1, earliest)
+        if trig is None:
+            continue
+        made = None
+        for recipe in ctx.recipes[tid]:
+            via = _sources_back(ctx, recipe, current, trig)
+            if via is not None and not any(s in current for s in recipe.small) and all(w > trig for w in recipe.writers):
+                made = (recipe, via)
+                break
+        if made is None:
+            continue
+        recipe, via = made
+        trial = dict(current)
+        trial[tid] = SimSwap(tid, swap.near, (SwapIn(group.consumers, trig),), waiters=recipe.writers,
+                             kind="recompute", cost=recipe.cost, extra=recipe.extra, chain=recipe.positions, via=via)
+        judged = _judge(ctx, trial.values(), detail=False)
+        if judged.peak <= budget_act and judged.result.step_time < best:
+            current, best, changed = trial, judged.result.step_time, True
+            held.update(recipe.sources + recipe.small)
+    if not changed:
+        return None
+    final = list(current.values())
+    return final, ctx.simulate(final)
+
+
+def _sources_back(ctx: _Context, recipe, current: dict, trig: int):
+    """How the clones of ``recipe`` (run when ``trig`` ends) find each source on the GPU: the
+    ``(tensor, group)`` swap-ins they read, the others being still there; None when a source is
+    gone (recomputed, or swapped with no swap-in holding it then)."""
+    via = []
+    for s in recipe.sources:
+        other = current.get(s)
+        if other is None:
+            if ctx.buffer_end[s] <= trig:
+                return None
+            continue
+        if other.recompute:
+            return None
+        held = [g for g, grp in enumerate(other.groups) if grp.trigger <= trig < grp.consumers[-1]]
+        if not held:
+            return None
+        via.append((s, held[0]))
+    return tuple(via)
 
 
 def _tflms_candidate(ctx: _Context, budget_act: int, options: TuneOptions, found: list, origin: int) -> None:

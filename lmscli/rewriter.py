@@ -144,6 +144,7 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
             control_edges += 1
 
     out_bytes = in_bytes = n_in = 0
+    swapins: dict[tuple[str, int, int], str] = {}  # (producer, output, group) -> swap-in node
     for swap in plan.swaps:
         producer, output, _ = parse_input(swap.tensor)
         if producer not in nodes:
@@ -158,6 +159,7 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
         refs = {_tensor_ref(producer, output), f"{producer}:{output}"}
         for g, group in enumerate(swap.swap_ins):
             swapin = unique(f"{SCOPE}swapin/{_safe(producer)}_{output}/{g}")
+            swapins[(producer, output, g)] = swapin
             node = add_identity(swapin, swapout, dtype, host)
             if group.trigger not in nodes:
                 raise PlanError(f"the plan's trigger {group.trigger!r} is not in the graph")
@@ -181,6 +183,12 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
         for waiter in waiters:
             add_control(waiter, swapout)
     n_re = re_bytes = n_clones = 0
+    swapin_nodes = {node.name: node for node in graph.node if node.name in set(swapins.values())}
+
+    def _swapin_dtype(name: str):
+        node = swapin_nodes.get(name)
+        return node.attr["T"].type if node is not None else None
+
     for rec in plan.recomputes:
         producer, output, _ = parse_input(rec.tensor)
         missing = [op for op in rec.ops + (producer,) if op not in nodes]
@@ -194,15 +202,27 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
                 raise PlanError(f"the plan's trigger {group.trigger!r} is not in the graph")
             prefix = f"{RECOMPUTE_SCOPE}{_safe(producer)}_{output}/{g}/"
 
-            def gate(src: str, out: int, prefix=prefix, trigger=group.trigger) -> str:
-                dtype = dtypes.get((src, out))
+            def gate(src: str, port: int, prefix=prefix, trigger=group.trigger, producer=producer) -> str:
+                dtype = dtypes.get((src, port)) or _swapin_dtype(src)
                 if dtype is None:
-                    raise PlanError(f"cannot tell the dtype of {src}:{out}")
-                node = add_identity(unique(f"{prefix}gate"), _tensor_ref(src, out), dtype, nodes[src].device)
+                    raise PlanError(f"cannot tell the dtype of {src}:{port}")
+                device = nodes[src].device if src in nodes else nodes[producer].device
+                node = add_identity(unique(f"{prefix}gate"), _tensor_ref(src, port), dtype, device)
                 node.input.append("^" + trigger)
                 return node.name
 
-            clones = _clone_chain(graph, nodes, rec.ops, prefix, unique, gate)
+            read_from = {}  # sources the clones read from a swap-in: (node, output) -> swap-in node
+            for tensor, k in rec.via:
+                src, src_out, _ = parse_input(tensor)
+                if (src, src_out, k) not in swapins:
+                    raise PlanError(f"the plan recomputes {rec.tensor!r} from swap-in {k} of {tensor!r}, "
+                                    "which the plan does not make")
+                read_from[(src, src_out)] = swapins[(src, src_out, k)]
+
+            def source(src: str, port: int, read_from=read_from) -> tuple[str, int]:
+                return (read_from[(src, port)], 0) if (src, port) in read_from else (src, port)
+
+            clones = _clone_chain(graph, nodes, rec.ops, prefix, unique, gate, source)
             added.extend(clones.values())
             n_clones += len(clones)
             control_edges += 1
@@ -238,9 +258,10 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
     return out, report
 
 
-def _clone_chain(graph, nodes: dict, ops, prefix: str, unique, gate) -> dict[str, str]:
+def _clone_chain(graph, nodes: dict, ops, prefix: str, unique, gate, source) -> dict[str, str]:
     """Add clones of ``ops`` (inputs first) reading each other where the originals do and
-    everything else where the originals read it; original name -> clone name. A clone reading no
+    everything else where the originals read it (or where ``source`` says it is now, a swap-in);
+    original name -> clone name. A clone reading no
     other clone reads its first input through ``gate(input)`` (an Identity waiting for the
     trigger), so the chain waits for the trigger without a control edge of its own: Grappler's
     remapper does not fuse ops with control edges, and the clones must fuse as the originals do."""
@@ -259,9 +280,9 @@ def _clone_chain(graph, nodes: dict, ops, prefix: str, unique, gate) -> dict[str
             if src in clones:
                 clone.input.append(_tensor_ref(clones[src], output))
             elif gated and k == 0:
-                clone.input.append(gate(src, output))
+                clone.input.append(gate(*source(src, output)))
             else:
-                clone.input.append(_tensor_ref(src, output))
+                clone.input.append(_tensor_ref(*source(src, output)))
         clone.input.extend(text for text in original.input if text.startswith("^"))  # what the original waited for
         clones[name] = clone.name
     return clones

@@ -14,7 +14,8 @@ Model of one training step (times are whole microseconds, so equal times are exa
 * A recomputation (``kind="recompute"``) has no swap-out: the GPU copy is freed when the near
   consumers have ended. When its trigger ends, the cloned ops run on the GPU (``cost``
   microseconds, delaying every later op) into a new buffer, freed when its last consumer ends;
-  ``extra`` bytes of intermediate results are held while the clones run.
+  ``extra`` bytes of intermediate results are held while the clones run. Clones that read a
+  source from a swap-in (``via``) wait for it.
 * ``sync_out`` makes the near consumers wait for the swap-out as well; ``waiters`` are other ops
   that wait for it (so the GPU copy is gone before they allocate).
 
@@ -49,6 +50,7 @@ class SimSwap:
     cost: int = 0  # recompute: microseconds the cloned ops keep the GPU busy (per group)
     extra: int = 0  # recompute: bytes of intermediate results held while the clones run
     chain: tuple[int, ...] = ()  # recompute: positions of the ops cloned, inputs first
+    via: tuple[tuple[int, int], ...] = ()  # recompute: (tensor, group) swap-ins the clones read sources from
 
     @property
     def recompute(self) -> bool:
@@ -152,10 +154,12 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
             out_end[tid] = d2h_free = s + transfer_us(tensors[tid].num_bytes, link_bandwidth)
             records.append(("out", tid, s, out_end[tid]))
         # Swap-ins start in trigger order on the host-to-device stream.
-        for tid, g in triggered.get(k, ()):
-            if swap_of[tid].recompute:  # the clones run on the GPU now, before the next op
-                in_start[(tid, g)] = clock
-                in_end[(tid, g)] = clock = clock + swap_of[tid].cost
+        # Swap-ins first: clones may read one that this op's end starts.
+        for tid, g in sorted(triggered.get(k, ()), key=lambda x: (swap_of[x[0]].recompute, x)):
+            if swap_of[tid].recompute:  # the clones run on the GPU now (once what they read is back)
+                ready = max([clock] + [in_end[v] for v in swap_of[tid].via if v in in_end])
+                in_start[(tid, g)] = ready
+                in_end[(tid, g)] = clock = ready + swap_of[tid].cost
                 recompute_us += swap_of[tid].cost
                 continue
             s = max(end[k], out_end[tid], h2d_free)
