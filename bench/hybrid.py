@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import BENCH, GraphSpec, generated, load, resnet_batch, resnet_res, unet  # noqa: E402
+from common import BENCH, GraphSpec, generated, load, resnet_batch, unet  # noqa: E402
 
 STRATEGIES = ("swap", "recompute", "hybrid", "tflms")
 LINKS = ("nvlink2", "pcie3")
@@ -37,7 +37,6 @@ SHARES = (0.75, 0.50, 0.35)
 
 FULL = [
     resnet_batch(128),
-    resnet_res(2000),
     unet(192),
     GraphSpec("transformer (sample shape)", model="transformer",
               shape=(("batch", 8), ("d_model", 512), ("ffn", 2048), ("heads", 8), ("layers", 6), ("seq", 512))),

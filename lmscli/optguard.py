@@ -164,11 +164,13 @@ def culprits(plan, names: frozenset) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def without(plan, tensors, ops):
-    """``plan`` without the swaps and recomputations of ``tensors`` and with ``ops`` taken out of
-    serialized chains."""
+    """``plan`` without the swaps and recomputations of ``tensors`` (and the recomputations that
+    read a swap-in of theirs) and with ``ops`` taken out of serialized chains."""
     from dataclasses import replace
 
     drop, gone = set(ops), set(tensors)
     chains = tuple(c for c in (tuple(op for op in chain if op not in drop) for chain in plan.serialize) if len(c) > 1)
+    # A recomputation reading one of the dropped swaps' swap-ins goes too.
     return replace(plan, swaps=tuple(s for s in plan.swaps if s.tensor not in gone), serialize=chains,
-                   recomputes=tuple(r for r in plan.recomputes if r.tensor not in gone))
+                   recomputes=tuple(r for r in plan.recomputes
+                                    if r.tensor not in gone and not any(v in gone for v, _g in r.via)))

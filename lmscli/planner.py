@@ -120,11 +120,11 @@ class _Context:
     def recipes(self):
         """Recompute recipes per candidate tensor (see :mod:`lmscli.recompute`), built on first use."""
         if self._recipes is None:
-            from lmscli.recompute import buffer_ends, recipes
+            from lmscli.recompute import Buffers, recipes
 
             with timing.phase("recompute recipes"):
                 self._recipes = recipes(self.view, self.schedule, self.cands, self.prepared.fused)
-                self.buffer_end = buffer_ends(self.schedule)
+                self.buffers = Buffers(self.schedule)
         return self._recipes
 
     def any_trigger(self, latest: int, earliest: int) -> int | None:
@@ -326,7 +326,8 @@ def _gap_recompute(ctx: _Context, cand: Candidate, p: int, result: SimResult, ch
     if not (lo <= p <= trig):
         return None
     for recipe in recipes:  # the shortest whose sources are all on the GPU when the clones run
-        if (all(s not in chosen and ctx.buffer_end[s] > trig for s in recipe.sources)
+        if (all(ctx.buffers.alive(s, trig, t.id) and not any(m in chosen for m in ctx.buffers.group(s))
+                for s in recipe.sources)
                 and all(w > trig for w in recipe.writers) and not any(s in chosen for s in recipe.small)):
             swap = SimSwap(t.id, tuple(near), (SwapIn(tuple(far), trig),), waiters=recipe.writers, kind="recompute",
                            cost=recipe.cost, extra=recipe.extra, chain=recipe.positions)
@@ -356,7 +357,7 @@ TFLMS_SEARCH_MAX_OPS = 8_000  # above this, the default strategy does not also r
 TRIGGER_VISITS = 400  # ancestors visited exactly before falling back to the predecessor chain
 RESIMULATE_EVERY = 64  # greedy steps between full re-simulations
 STALL_JUDGEMENTS = 8  # full re-simulations without less total excess before giving up
-STEP_TOLERANCE = 0.01  # hybrid: plans this close to the shortest step count as fast, the fewest bytes wins
+STEP_TOLERANCE = 0.0  # hybrid: plans this much slower than the shortest step still count as fast (then: fewest bytes)
 
 
 @dataclass
@@ -450,13 +451,14 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
         for best in ranked:
             if best.swap.tensor in chosen and best.swap.waiters == chosen[best.swap.tensor].swap.waiters:
                 continue
-            if best.recipe is not None and any(src in chosen for src in best.recipe.sources + best.recipe.small):
-                continue  # a source was chosen a moment ago
+            if best.recipe is not None and any(m in chosen for src in best.recipe.sources + best.recipe.small
+                                               for m in ctx.buffers.group(src)):
+                continue  # a source, or a tensor sharing its buffer, was chosen a moment ago
             if best.swap.tensor in held:
                 continue  # a recomputation chosen a moment ago reads it
             chosen[best.swap.tensor] = best
-            if best.recipe is not None:
-                held.update(best.recipe.sources + best.recipe.small)
+            if best.recipe is not None:  # its sources, and what shares their buffers, stay as they are
+                held.update(m for src in best.recipe.sources + best.recipe.small for m in ctx.buffers.group(src))
             profile[best.lo: best.hi + 1] -= best.size
             if profile[p] <= budget_act:
                 break
@@ -887,44 +889,74 @@ def _with_recomputations(ctx: _Context, swaps: list, budget_act: int, result: Si
             continue
         made = None
         for recipe in ctx.recipes[tid]:
-            via = _sources_back(ctx, recipe, current, trig)
-            if via is not None and not any(s in current for s in recipe.small) and all(w > trig for w in recipe.writers):
-                made = (recipe, via)
+            back = _sources_back(ctx, recipe, current, trig, result, tid)
+            if back is not None and not any(s in current for s in recipe.small) and all(w > trig for w in recipe.writers):
+                made = (recipe,) + back
                 break
         if made is None:
             continue
-        recipe, via = made
+        recipe, via, moved = made
         trial = dict(current)
+        trial.update(moved)
         trial[tid] = SimSwap(tid, swap.near, (SwapIn(group.consumers, trig),), waiters=recipe.writers,
                              kind="recompute", cost=recipe.cost, extra=recipe.extra, chain=recipe.positions, via=via)
         judged = _judge(ctx, trial.values(), detail=False)
         if judged.peak <= budget_act and judged.result.step_time < best:
             current, best, changed = trial, judged.result.step_time, True
-            held.update(recipe.sources + recipe.small)
+            held.update(m for src in recipe.sources + recipe.small for m in ctx.buffers.group(src))
+            result = judged.result
     if not changed:
         return None
     final = list(current.values())
     return final, ctx.simulate(final)
 
 
-def _sources_back(ctx: _Context, recipe, current: dict, trig: int):
-    """How the clones of ``recipe`` (run when ``trig`` ends) find each source on the GPU: the
-    ``(tensor, group)`` swap-ins they read, the others being still there; None when a source is
-    gone (recomputed, or swapped with no swap-in holding it then)."""
-    via = []
+def _sources_back(ctx: _Context, recipe, current: dict, trig: int, result: SimResult, made: int):
+    """How the clones of ``recipe`` (run when ``trig`` ends) find each source on the GPU:
+    ``(via, moved)``, the ``(tensor, group)`` swap-ins they read and the swaps whose next swap-in
+    must start earlier for it (tensor -> SimSwap), the other sources being still there; None when
+    a source is gone (recomputed, or swapped with no swap-in to bring it back then).
+
+    A swap-in that comes after the clones is started earlier, early enough on the link to be back
+    when the trigger ends (else as late as the trigger, and the clones wait)::
+
+        swap-in of x ........ FBNGrad(x)          swap-in of x, clones (BN, ReLU of x) .. FBNGrad(x)
+        ReluGrad(relu)  (relu swapped)      ->    ReluGrad(clone)
+    """
+    via, moved = [], {}
     for s in recipe.sources:
         other = current.get(s)
         if other is None:
-            if ctx.buffer_end[s] <= trig:
-                return None
+            if not ctx.buffers.alive(s, trig, made) or any(m in current for m in ctx.buffers.group(s)):
+                return None  # gone by then without the tensor made again, or sharing a swapped buffer
             continue
-        if other.recompute:
+        if other.recompute or other.sync_out:
             return None
         held = [g for g, grp in enumerate(other.groups) if grp.trigger <= trig < grp.consumers[-1]]
-        if not held:
+        if held:
+            via.append((s, held[0]))
+            continue
+        later = [g for g, grp in enumerate(other.groups) if grp.consumers[0] > trig]
+        if not later:
             return None
-        via.append((s, held[0]))
-    return tuple(via)
+        g = later[0]
+        group = other.groups[g]
+        t = ctx.schedule.tensors[s]
+        earliest = max([t.producer] + list(other.near) + [c for grp in other.groups[:g] for c in grp.consumers])
+        if earliest > trig:
+            return None
+        transfer = transfer_us(t.num_bytes, ctx.device.link_bandwidth)
+        latest = min(bisect.bisect_right(result.ends, result.ends[trig] - transfer) - 1, trig)
+        start = ctx.trigger(group.consumers[0], latest, earliest) if latest >= earliest else None
+        if start is None:
+            start = ctx.trigger(group.consumers[0], trig, earliest)
+        if start is None:
+            return None
+        groups = list(other.groups)
+        groups[g] = SwapIn(group.consumers, start)
+        moved[s] = replace(other, groups=tuple(groups))
+        via.append((s, g))
+    return tuple(via), moved
 
 
 def _tflms_candidate(ctx: _Context, budget_act: int, options: TuneOptions, found: list, origin: int) -> None:

@@ -215,18 +215,47 @@ def _stateless_ops(ops) -> frozenset:
     return frozenset(out)
 
 
-def buffer_ends(schedule: Schedule) -> tuple[int, ...]:
-    """Per tensor, the last position reading its buffer (any tensor sharing it); resident and
-    unread tensors: their own last use or the end of the step."""
-    n = len(schedule)
-    last = [t.consumers[-1] if t.consumers else t.producer for t in schedule.tensors]
-    if schedule.memory_model != "executor" or not schedule.shares:
-        return tuple(last)
-    from lmscli.memmodel import roots
+class Buffers:
+    """Which tensors share a buffer (executor model: forwarded or reused in place), to tell whether
+    a source of a recomputation is still on the GPU when the clones run *without* the tensor being
+    recomputed: ``relu = Relu(add)`` reuses ``add``'s buffer in place, so ``add`` stays only as
+    long as ``relu`` is read, and once ``relu``'s later readers take a clone instead, ``add`` is
+    gone by then."""
 
-    root = roots(schedule)
-    end: dict[int, int] = {}
-    for t in schedule.tensors:
-        r = root[t.id]
-        end[r] = max(end.get(r, -1), last[t.id])
-    return tuple(n if root[t.id] < 0 else end[root[t.id]] for t in schedule.tensors)
+    def __init__(self, schedule: Schedule):
+        self.schedule = schedule
+        self.last = [t.consumers[-1] if t.consumers else t.producer for t in schedule.tensors]
+        if schedule.memory_model == "executor" and schedule.shares:
+            from lmscli.memmodel import roots
+
+            self.root = roots(schedule)
+        else:
+            self.root = tuple(t.id for t in schedule.tensors)
+        self.members: dict[int, list[int]] = {}
+        for t in schedule.tensors:
+            self.members.setdefault(self.root[t.id], []).append(t.id)
+
+    def group(self, tid: int) -> list[int]:
+        """The tensors sharing ``tid``'s buffer (just ``tid`` for a buffer of its own; [] if resident)."""
+        r = self.root[tid]
+        return [] if r < 0 else self.members[r]
+
+    def alive(self, tid: int, position: int, without: int) -> bool:
+        """Is ``tid``'s buffer still read after ``position`` by a tensor other than ``without`` and
+        what is made from it in place or forwarded?"""
+        if self.root[tid] < 0:
+            return True  # resident
+        return any(self.last[m] > position for m in self.group(tid)
+                   if m != without and not self._through(m, without))
+
+    def _through(self, m: int, t: int) -> bool:
+        shares = self.schedule.shares
+        if not shares:
+            return False
+        for _ in range(len(shares)):
+            if m == t:
+                return True
+            if m < 0 or shares[m] < 0:
+                return False
+            m = shares[m]
+        return False
