@@ -255,7 +255,7 @@ def _targets(results: list) -> list[str]:
     """The issue's targets, checked on every (graph, budget) where the strategies compared found a plan."""
     lines = []
     half = worse = reach = checked_pcie = checked_nv = 0
-    misses = []
+    misses, slower = [], []
     for graph in results:
         for row in graph["rows"]:
             pc = {s: row["lms"][f"{s}/pcie3"] for s in STRATEGIES}
@@ -274,17 +274,18 @@ def _targets(results: list) -> list[str]:
                     o = by[other]
                     if h["status"] == "ran" and o["status"] == "ran" and h["overhead"] > o["overhead"] + 1e-9:
                         worse += 1
-                        misses.append(f"{where} on {link}: hybrid {h['overhead']:+.1%} > {other} {o['overhead']:+.1%}")
+                        slower.append(f"{where} on {link}: hybrid {h['overhead']:+.1%} > {other} {o['overhead']:+.1%}")
                 if by["swap"]["status"] == "ran" and h["status"] != "ran":
                     reach += 1
-                    misses.append(f"{where} on {link}: swap-only found a plan, the hybrid none")
+                    slower.append(f"{where} on {link}: swap-only found a plan, the hybrid none")
             if nv["swap"]["status"] == "ran" and nv["hybrid"]["status"] == "ran":
                 checked_nv += 1
     lines.append(f"- On pcie3 the hybrid's predicted overhead is at most half of swap-only's at {half} of "
-                 f"{checked_pcie} budgets both reach.")
-    lines.append(f"- The hybrid is slower than a pure strategy at {worse} (budget, link) pairs; it misses a budget "
-                 f"swap-only reaches at {reach}.")
+                 f"{checked_pcie} budgets both reach" + ("; not at:" if misses else "."))
     lines += [f"  - {m}" for m in misses]
+    lines.append(f"- The hybrid is slower than a pure strategy at {worse} (budget, link) pairs, and misses a budget "
+                 f"swap-only reaches at {reach}" + (":" if slower else "."))
+    lines += [f"  - {m}" for m in slower]
     return lines
 
 
@@ -292,7 +293,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small graphs: a smoke run")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--report-only", action="store_true", help="re-render HYBRID.md from the last run's JSON")
     args = parser.parse_args(argv)
+    if args.report_only:
+        data = json.loads((BENCH / "out" / "hybrid.json").read_text())
+        (BENCH / "HYBRID.md").write_text(render(data["results"], data.get("machine", ""), data.get("timing", ())) + "\n")
+        return 0
     import platform
 
     import tensorflow as tf
@@ -304,7 +310,7 @@ def main(argv=None) -> int:
     if not args.no_write:
         (BENCH / "out").mkdir(exist_ok=True)
         (BENCH / "out" / ("hybrid-quick.json" if args.quick else "hybrid.json")).write_text(
-            json.dumps({"results": results, "timing": timing_checks}, indent=1))
+            json.dumps({"results": results, "timing": timing_checks, "machine": machine}, indent=1))
         if not args.quick:
             (BENCH / "HYBRID.md").write_text(render(results, machine, timing_checks) + "\n")
         else:

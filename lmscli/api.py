@@ -132,14 +132,18 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
     with Grappler's estimate as the judge (:func:`reordering_fallback`)."""
     try:
         try:
-            return checked_tune(prepared, device, options, check, host_device, guard)
+            result = checked_tune(prepared, device, options, check, host_device, guard)
+            return _or_swap_plan(prepared, device, options, check, host_device, guard, result)
         except NoFitError as exc:
             if strategy_name(options.strategy) != "hybrid" or timing.out_of_time() or (
                     exc.bound_bytes is not None and exc.bound_bytes > device.budget):
                 raise
             # The judge turned down every plan the hybrid chose (each the fastest of its round), and
             # a swap-only plan may still pass: the hybrid reaches every budget the swap planner does.
-            result = checked_tune(prepared, device, replace(options, strategy="swap"), check, host_device, guard)
+            try:
+                result = checked_tune(prepared, device, replace(options, strategy="swap"), check, host_device, guard)
+            except NoFitError:
+                raise exc from None
             line = ("[LMS] no plan with recomputations passed the judge at this budget; the swap-only planner's "
                     "plan does")
             return replace(result, log=result.log + (line,))
@@ -156,6 +160,25 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
         if fallback is None:
             raise
         return fallback
+
+
+def _or_swap_plan(prepared: Prepared, device: Device, options: TuneOptions, check: bool, host_device: str,
+                  guard: bool, result: TuneResult) -> TuneResult:
+    """The hybrid's plan, or the swap planner's if that is predicted faster. Both searches move the
+    planning margin until the judge accepts a plan, and they take different paths (the hybrid keeps
+    the fastest candidate of each round, the swap planner the one moving the fewest bytes), so the
+    swap planner's search can end on a faster plan; the hybrid must never be slower than it."""
+    if (strategy_name(options.strategy) != "hybrid" or not result.necessary or timing.out_of_time()
+            or result.result.step_time <= result.baseline.step_time or len(prepared.schedules) > 1):
+        return result
+    try:
+        swap = checked_tune(prepared, device, replace(options, strategy="swap"), check, host_device, guard)
+    except NoFitError:
+        return result
+    if not swap.fits or swap.result.step_time >= result.result.step_time:
+        return result
+    line = "[LMS] the swap planner's own search found a faster plan than the hybrid's; using it"
+    return replace(swap, log=swap.log + (line,))
 
 
 @timed("reordering fallback")
@@ -247,7 +270,7 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
         return replace(result, log=result.log + (line,))
 
     executor = prepared.schedule.memory_model == "executor"
-    search = _RunSearch(device.budget, margins.get(prepared.schedule.device, 0))
+    search = _RunSearch(device.budget, margins.get(prepared.schedule.device, 0), prepared.schedule.resident_bytes)
     rounds = 0
     while True:
         rounds += 1
@@ -278,7 +301,7 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
                     result = search.settle(rounds)  # judged and guarded already: settle for it
                 continue
             else:  # ... or, after that many rounds, just drop them from the plan
-                result = replace(result, plan=optguard.without(result.plan, tensors, ()))
+                result = _resimulated(prepared, replace(result, plan=optguard.without(result.plan, tensors, ())))
                 continue
         if executor and not manual and len(prepared.schedules) <= 1 and prepared.run_peak_bytes is not None:
             # The judge: the executor model on the graph the Session runs (Grappler-optimized).
@@ -333,6 +356,20 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
                      "try a slightly larger --gpu-mem", budget_bytes=device.budget)
 
 
+def _resimulated(prepared: Prepared, result: TuneResult) -> TuneResult:
+    """``result`` with its figures simulated again for the plan it now holds (after the guard took
+    swaps or recomputations out of it); the judge then judges it again."""
+    if len(prepared.schedules) > 1:
+        return result
+    from lmscli.plan import to_sim
+    from lmscli.planner import predicted
+    from lmscli.simulator import simulate
+
+    device = Device.from_dict(result.plan.device)
+    sim = simulate(prepared.schedule, to_sim(result.plan.edits, prepared.schedule), device.link_bandwidth)
+    return replace(result, result=sim, plan=replace(result.plan, predicted=predicted(result.baseline, sim, result.budget)))
+
+
 def _run_margin(prepared: Prepared, device: Device, options: TuneOptions) -> int:
     """The planning margin to start from under the executor judge: when Grappler's optimizations
     shrink the step (the optimized graph's peak below the peak as written), plan for the budget
@@ -358,8 +395,9 @@ class _RunSearch:
     swaps the fewest bytes is kept, and the search stops once a fitting plan is within 2% of the
     budget or after :data:`RUN_ROUNDS` rounds."""
 
-    def __init__(self, budget: int, margin: int):
+    def __init__(self, budget: int, margin: int, floor: int = 0):
         self.budget, self.margin = budget, margin
+        self.floor = floor  # planning below this (what stays resident) cannot be right: stop instead
         self.rounds = 0
         self.found: list = []
         self.last = None
@@ -381,6 +419,8 @@ class _RunSearch:
         step = peak - self.budget
         if step > 0:
             step = max(step, self.budget // 200)
+        if self.budget - (self.margin + step) <= self.floor:
+            return None  # the graph as written would be planned for less than stays resident
         self.margin += step
         return self.margin
 

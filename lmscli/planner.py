@@ -1,16 +1,17 @@
-"""The tuning pass: choose swaps that fit a device, with their cost predicted by the simulator.
+"""The tuning pass: choose swaps and recomputations that fit a device, with their cost predicted by
+the simulator.
 
-Two strategies produce the same kind of plan:
-
-``lms`` (default)
-    Per-tensor greedy planning in the simulator's own memory profile. While some op runs over
-    budget, take the worst one; among the tensors live across it whose next use can be brought
-    back in time, swap the one that removes the most excess memory (ties: fewer bytes). The
-    swap-in trigger is the latest ancestor of the consumer that still leaves the transfer
-    time before the consumer starts (else the latest op in that window, ancestor or not), so no
-    stall is planned. The profile is updated in place and
-    re-simulated whenever it says the plan fits. A refinement pass then drops every swap the
-    plan can do without, largest first, so the plan swaps as few bytes as it can.
+``hybrid`` (default), ``swap`` (formerly ``lms``), ``recompute``
+    Per-tensor greedy planning in the simulator's own memory profile; each choice for a tensor is
+    a swap, a recomputation (:mod:`lmscli.recompute`), or, for the hybrid, whichever costs less
+    time (see :func:`_best_plan` for how the hybrid's candidates are compared). While some op
+    runs over budget, take the worst one; among the tensors live across it whose next use can be
+    brought back in time, take the choice that costs no time and removes the most excess memory
+    (ties: fewer bytes). A swap-in's trigger is the latest ancestor of the consumer that still
+    leaves the transfer time before the consumer starts (else the latest op in that window,
+    ancestor or not), so no stall is planned; a recomputation's is the consumer's latest
+    ancestor. The profile is updated in place and re-simulated whenever it says the plan fits.
+    A refinement pass then drops every choice the plan can do without, largest first.
 
 ``tflms``
     TFLMS v2's parameter space (swapout_threshold, swapin_ahead, swapin_groupby, sync_mode) in
@@ -295,8 +296,7 @@ def _gap_swap(ctx: _Context, cand: Candidate, p: int, result: SimResult,
     return _Choice(swap, lo, trig, t.num_bytes, stall)
 
 
-def _gap_recompute(ctx: _Context, cand: Candidate, p: int, result: SimResult, chosen: dict,
-                   held: set) -> _Choice | None:
+def _gap_recompute(ctx: _Context, cand: Candidate, p: int, result: SimResult, chosen: dict) -> _Choice | None:
     """Make ``cand`` again across position ``p``: the original for uses before p, clones of a
     recipe (run when the latest ancestor of the first later use ends) for the uses after p."""
     recipes = ctx.recipes.get(cand.tensor)
@@ -506,7 +506,7 @@ def _ranked_choices(ctx: _Context, chosen: dict, p: int, judged: _Judged, clippe
                                              busy, compute)
                 options.append(choice)
         if "recompute" in modes:
-            choice = _gap_recompute(ctx, ctx.cands[tid], p, result, chosen, held)
+            choice = _gap_recompute(ctx, ctx.cands[tid], p, result, chosen)
             if choice is not None:
                 options.append(choice)
         options = [c for c in options if _helps_instantly(ctx, c.swap, p, judged.instant)]
@@ -719,6 +719,10 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
         if lb > max(budget, budget - margin):  # a negative margin plans for more than the budget
             op = sched.names[bound.position] if bound.position is not None else None
             raise NoFitError(_no_fit_message(ctx, bound, budget), bound_bytes=lb, binding_op=op, budget_bytes=budget)
+        if budget_act <= 0:  # the judge's margin left nothing for the tensors of the graph as written
+            raise NoFitError(f"no plan found under {format_size(budget)}: the graph TensorFlow runs needs so much "
+                             "more than the graph as written that nothing is left to plan with; try a larger "
+                             "--gpu-mem", bound_bytes=lb, budget_bytes=budget)
         if strategy_name(options.strategy) not in STRATEGIES:
             raise ValueError(f"unknown strategy {options.strategy!r}")
         if options.strategy == "tflms":
@@ -977,11 +981,15 @@ def _stuck_message(ctx: _Context, stuck: _Stuck, strategy: str, budget_act: int,
         where = " (inside a cond branch, where lms adds no control edges)"
     planned = budget_act + sched.resident_bytes
     under = format_size(ctx.device.budget)
-    if planned != ctx.device.budget:  # the judge's margin: the graph TensorFlow runs needs more, or less
-        under += f" (planned as {format_size(planned)} for the graph as written)"
-    return (f"no swap plan found under {under}: at "
-            f"{sched.names[stuck.position]}{where} the {strategy} strategy still needs "
-            f"{format_size(stuck.result.peak_bytes)} (lower bound {format_size(lb)}); "
+    kind = {"recompute": "recompute", "hybrid": "swap or recompute"}.get(strategy, "swap")
+    needs = f"the {strategy} strategy still needs {format_size(stuck.result.peak_bytes)}"
+    if abs(planned - ctx.device.budget) > ctx.device.budget // 200:  # the judge's margin moved it
+        more = "more" if planned < ctx.device.budget else "less"
+        under += (f" (the graph TensorFlow runs needs {more} than the graph as written, so it was planned as "
+                  f"{format_size(planned)} for the graph as written)")
+        needs += " there"
+    return (f"no {kind} plan found under {under}: at "
+            f"{sched.names[stuck.position]}{where} {needs} (lower bound {format_size(lb)}); "
             "try a larger --gpu-mem or a smaller batch")
 
 

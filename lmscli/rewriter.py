@@ -67,8 +67,9 @@ class RewriteReport:
                 f"operations ({format_size(self.swap_out_bytes)}) and {self.swap_ins} swap-in operations "
                 f"({format_size(self.swap_in_bytes)})")
         if self.recomputes:
-            line += (f", {self.clones} cloned operations recomputing {format_size(self.recompute_bytes)} in "
-                     f"{self.recomputes} place(s)")
+            others = len(self.added_nodes) - self.swap_outs - self.swap_ins - self.clones
+            line += (f", {self.clones} cloned operations and {others} Identity nodes recomputing "
+                     f"{format_size(self.recompute_bytes)} in {self.recomputes} place(s)")
         return line + ")"
 
 

@@ -224,12 +224,12 @@ def test_broken_plans_are_caught(samples):
 
     wrong = replace(swap, swap_ins=(replace(swap.swap_ins[0], consumers=("loss",)),))
     with pytest.raises(PlanError, match="does not read"):
-        api.rewrite(prepared, replace(result.plan, swaps=(wrong,)))
+        api.rewrite(prepared, replace(result.plan, swaps=(wrong,), recomputes=()))
     # A trigger downstream of the consumer would close a cycle: the validation refuses it.
     consumer = swap.swap_ins[0].consumers[0]
     cyclic = replace(swap, swap_ins=(replace(swap.swap_ins[0], trigger=model.fetches[0]),))
     with pytest.raises(GraphError, match="cycle"):
-        api.rewrite(prepared, replace(result.plan, swaps=(cyclic,)))
+        api.rewrite(prepared, replace(result.plan, swaps=(cyclic,), recomputes=()))
     assert consumer
 
 
