@@ -184,6 +184,7 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
         for waiter in waiters:
             add_control(waiter, swapout)
     n_re = re_bytes = n_clones = 0
+    gates: list[str] = []  # each waits for its trigger by a control edge
     swapin_nodes = {node.name: node for node in graph.node if node.name in set(swapins.values())}
 
     def _swapin_dtype(name: str):
@@ -210,6 +211,7 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
                 device = nodes[src].device if src in nodes else nodes[producer].device
                 node = add_identity(unique(f"{prefix}gate"), _tensor_ref(src, port), dtype, device)
                 node.input.append("^" + trigger)
+                gates.append(node.name)
                 return node.name
 
             read_from = {}  # sources the clones read from a swap-in: (node, output) -> swap-in node
@@ -226,7 +228,6 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
             clones = _clone_chain(graph, nodes, rec.ops, prefix, unique, gate, source)
             added.extend(clones.values())
             n_clones += len(clones)
-            control_edges += 1
             n_re += 1
             re_bytes += rec.bytes
             made = _tensor_ref(clones[producer], output)
@@ -247,6 +248,7 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
                         hits += 1
                 if hits == 0:
                     raise PlanError(f"{consumer!r} does not read {rec.tensor!r}; the plan does not match the graph")
+    control_edges += len(gates)
     for chain in plan.serialize:
         for before, after in zip(chain, chain[1:]):
             add_control(after, before)
