@@ -789,33 +789,38 @@ def _best_plan(ctx: _Context, budget_act: int, baseline: SimResult, log: list[st
     ``swap``: the greedy swap plan, with TFLMS's search as a second candidate; of the plans that
     fit, the one that swaps the fewest bytes (then: the shortest step). ``recompute``: the greedy
     plan with recomputations only. ``hybrid``: the greedy plan choosing per tensor, with the
-    recompute-only and swap plans as further candidates; of those that fit, the shortest predicted step on the device's
-    link wins (then: the fewest bytes moved or made again), so the hybrid is never slower than
-    either pure plan and reaches every budget the swap plans reach."""
+    recompute-only plan, the swap plans, and the swap plans with some swaps made recomputations
+    (:func:`_with_recomputations`) as further candidates; of those that fit, the shortest
+    predicted step on the device's link wins (then: the fewest bytes moved or made again), so the
+    hybrid is never slower than either pure plan and reaches every budget the swap plans reach."""
     strategy = strategy_name(options.strategy)
     runs = {"swap": [("swap",)], "recompute": [("recompute",)],
             "hybrid": [("swap", "recompute"), ("recompute",), ("swap",)]}[strategy]
     if strategy == "hybrid" and not ctx.recipes:  # nothing can be made again: the swap plans alone
         runs = [("swap",)]
-    found = []
+    found = []  # (label, swaps, result, parameters, log lines), in the order they were made
     stuck_at = None
     limited = False  # --time-limit passed before every candidate was tried
-    for origin, modes in enumerate(runs):
+
+    def with_recomputations(label: str, swaps, result, params, lines) -> None:
+        converted = _with_recomputations(ctx, swaps, budget_act, result)
+        if converted is not None:
+            found.append(("converted", converted[0], converted[1], params,
+                          lines + [f"[LMS] {converted[1].num_recomputes} swap(s) of the {label} plan made "
+                                   "recomputations, where that shortens the step"]))
+
+    for k, modes in enumerate(runs):
         lines: list[str] = []
         try:
             swaps, result = plan_lms(ctx, budget_act, baseline, lines, modes)
-            found.append((origin, swaps, result, {}, lines))
+            found.append(("+".join(modes), swaps, result, {}, lines))
             if strategy == "hybrid" and modes == ("swap",):
-                converted = _with_recomputations(ctx, swaps, budget_act, result)
-                if converted is not None:
-                    found.append((len(runs) + 1, converted[0], converted[1], {},
-                                  lines + [f"[LMS] {converted[1].num_recomputes} swap(s) of the swap-only plan "
-                                           "made recomputations, where that shortens the step"]))
+                with_recomputations("swap-only", swaps, result, {}, lines)
         except _Stuck as stuck:
             stuck_at = stuck_at or stuck
             lines.append(f"[LMS] greedy planning ({' and '.join(modes)}) stuck at {ctx.schedule.names[stuck.position]}")
             log.extend(lines)
-        if found and origin + 1 < len(runs) and timing.out_of_time():
+        if found and k + 1 < len(runs) and timing.out_of_time():
             limited = True
             break
     if strategy == "recompute":
@@ -825,36 +830,32 @@ def _best_plan(ctx: _Context, budget_act: int, baseline: SimResult, log: list[st
     elif found and timing.out_of_time():
         limited = True
     else:
-        _tflms_candidate(ctx, budget_act, options, found, len(runs))
-        tflms = [f for f in found if f[0] == len(runs)]
+        _tflms_candidate(ctx, budget_act, options, found)
+        tflms = [f for f in found if f[0] == "tflms"]
         if strategy == "hybrid" and tflms and not timing.out_of_time():
-            converted = _with_recomputations(ctx, tflms[0][1], budget_act, tflms[0][2])
-            if converted is not None:
-                found.append((len(runs) + 1, converted[0], converted[1], tflms[0][3],
-                              [f"[LMS] {converted[1].num_recomputes} swap(s) of the TFLMS-style plan made "
-                               "recomputations, where that shortens the step"]))
+            with_recomputations("TFLMS-style", *tflms[0][1:4], [])
     if not found:
         raise NoFitError(_stuck_message(ctx, stuck_at, strategy, budget_act, lb), bound_bytes=lb,
                          binding_op=ctx.schedule.names[stuck_at.position],
                          budget_bytes=ctx.device.budget)
 
+    order = {id(f): n for n, f in enumerate(found)}
     if strategy == "hybrid":
         fastest = min(f[2].step_time for f in found)
         found = [f for f in found if f[2].step_time <= fastest * (1 + STEP_TOLERANCE) + 1e-6]
-        found.sort(key=lambda f: (f[2].swap_out_bytes + f[2].recompute_bytes, f[2].step_time, f[0]))
+        found.sort(key=lambda f: (f[2].swap_out_bytes + f[2].recompute_bytes, f[2].step_time, order[id(f)]))
     else:
-        found.sort(key=lambda f: (f[2].swap_out_bytes, f[2].step_time, f[0]))
-    origin, swaps, result, params, lines = found[0]
+        found.sort(key=lambda f: (f[2].swap_out_bytes, f[2].step_time, order[id(f)]))
+    label, swaps, result, params, lines = found[0]
     log.extend(lines)
-    if origin == len(runs):
-        log.append("[LMS] TFLMS-style parameters " + ("give a shorter step" if strategy == "hybrid" else "swap fewer bytes")
-                   + " here than the greedy plan; using them")
-    elif strategy == "hybrid" and origin == 1:
-        log.append("[LMS] the recompute-only plan gives the shortest step here; using it")
-    elif strategy == "hybrid" and origin == 2:
+    why = {"tflms": "TFLMS-style parameters " + ("give a shorter step" if strategy == "hybrid" else "swap fewer bytes")
+                    + " here than the greedy plan; using them",
+           "recompute": "the recompute-only plan gives the shortest step here; using it",
+           "converted": "a swap plan with some of its swaps made recomputations gives the shortest step; using it"}
+    if label == "swap" and strategy == "hybrid" and len(runs) > 1:
         log.append("[LMS] the swap-only plan is as fast here as any with recomputation; using it")
-    elif strategy == "hybrid" and origin == len(runs) + 1:
-        log.append("[LMS] a swap plan with some of its swaps made recomputations gives the shortest step; using it")
+    elif label in why and not (label == "recompute" and strategy == "recompute"):
+        log.append("[LMS] " + why[label])
     if result.num_recomputes:
         log.append(f"[LMS] {result.num_recomputes} recomputation(s) take {result.recompute_time * 1e3:.3f} ms of GPU "
                    f"time where swaps on this link ({ctx.device.link_name}) would have waited for the transfers")
@@ -963,10 +964,10 @@ def _sources_back(ctx: _Context, recipe, current: dict, trig: int, result: SimRe
     return tuple(via), moved
 
 
-def _tflms_candidate(ctx: _Context, budget_act: int, options: TuneOptions, found: list, origin: int) -> None:
+def _tflms_candidate(ctx: _Context, budget_act: int, options: TuneOptions, found: list) -> None:
     try:
         swaps, chosen, result = plan_tflms(ctx, budget_act, [], options.sync_mode)
-        found.append((origin, swaps, result, {"tflms_search": chosen.__dict__}, []))
+        found.append(("tflms", swaps, result, {"tflms_search": chosen.__dict__}, []))
     except _Stuck:
         pass
 
