@@ -133,6 +133,13 @@ class _Context:
         k = bisect.bisect_right(self._triggers, latest) - 1
         return self._triggers[k] if k >= 0 and self._triggers[k] >= earliest else None
 
+    def latest_trigger(self, consumer: int, earliest: int) -> int | None:
+        """The latest op before ``consumer``, from ``earliest`` on, fit to start work for it: its
+        latest fit ancestor, else any fit op in that window (the schedule is a topological order,
+        so that control edge closes no cycle)."""
+        found = self.trigger(consumer, consumer - 1, earliest)
+        return found if found is not None else self.any_trigger(consumer - 1, earliest)
+
     def live_candidates(self, p: int) -> list[int]:
         """Candidate tensors produced before ``p`` and read after it."""
         mask = (self._cand_first < p) & (self._cand_last > p)
@@ -246,21 +253,32 @@ def _out_start(busy: list[tuple[int, int]], ready: int, duration: int) -> int:
     return t
 
 
-def _gap_swap(ctx: _Context, cand: Candidate, p: int, result: SimResult,
-              d2h: list[tuple[int, int]]) -> _Choice | None:
-    """Swap ``cand`` across position ``p``: GPU copy for uses before p, one swap-in for uses after."""
-    sched = ctx.schedule
-    t = sched.tensors[cand.tensor]
+def _split(cand: Candidate, t, p: int):
+    """``(near, far)``: the consumers of ``t`` before and after position ``p``, or None when ``p``
+    is not inside its life, reads it itself (it must be on the GPU there), or a later consumer
+    may not be rewired."""
     consumers = t.consumers
     if not consumers or not (t.producer < p < consumers[-1]):
         return None
     k = bisect.bisect_right(consumers, p)
     near, far = consumers[:k], consumers[k:]
     if not far or (near and near[-1] == p):
-        return None  # p itself reads the tensor: it must be on the GPU there
+        return None
     rewirable = set(cand.rewirable)
     if any(c not in rewirable for c in far):
         return None
+    return near, far
+
+
+def _gap_swap(ctx: _Context, cand: Candidate, p: int, result: SimResult,
+              d2h: list[tuple[int, int]]) -> _Choice | None:
+    """Swap ``cand`` across position ``p``: GPU copy for uses before p, one swap-in for uses after."""
+    sched = ctx.schedule
+    t = sched.tensors[cand.tensor]
+    split = _split(cand, t, p)
+    if split is None:
+        return None
+    near, far = split
     starts, ends = result.starts, result.ends
     transfer = transfer_us(t.num_bytes, ctx.device.link_bandwidth)
     out_end = _out_start(d2h, ends[t.producer], transfer) + transfer
@@ -302,23 +320,12 @@ def _gap_recompute(ctx: _Context, cand: Candidate, p: int, result: SimResult, ch
     recipes = ctx.recipes.get(cand.tensor)
     if not recipes:
         return None
-    sched = ctx.schedule
-    t = sched.tensors[cand.tensor]
-    consumers = t.consumers
-    if not consumers or not (t.producer < p < consumers[-1]):
+    t = ctx.schedule.tensors[cand.tensor]
+    split = _split(cand, t, p)
+    if split is None:
         return None
-    k = bisect.bisect_right(consumers, p)
-    near, far = consumers[:k], consumers[k:]
-    if not far or (near and near[-1] == p):
-        return None
-    rewirable = set(cand.rewirable)
-    if any(c not in rewirable for c in far):
-        return None
-    v = far[0]
-    earliest = max(near[-1] if near else t.producer, p)
-    trig = ctx.trigger(v, v - 1, earliest)
-    if trig is None:
-        trig = ctx.any_trigger(v - 1, earliest)
+    near, far = split
+    trig = ctx.latest_trigger(far[0], max(near[-1] if near else t.producer, p))
     if trig is None:
         return None
     starts = result.starts
@@ -887,9 +894,7 @@ def _with_recomputations(ctx: _Context, swaps: list, budget_act: int, result: Si
         group = swap.groups[0]
         v = group.consumers[0]
         earliest = max(swap.near[-1] if swap.near else sched.tensors[tid].producer, group.trigger)
-        trig = ctx.trigger(v, v - 1, earliest)
-        if trig is None:
-            trig = ctx.any_trigger(v - 1, earliest)
+        trig = ctx.latest_trigger(v, earliest)
         if trig is None:
             continue
         made = None

@@ -168,17 +168,7 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
             control_edges += 1
             n_in += 1
             in_bytes += swap.bytes
-            for consumer in group.consumers:
-                target = nodes.get(consumer)
-                if target is None:
-                    raise PlanError(f"the plan rewires {consumer!r}, which is not in the graph")
-                hits = 0
-                for k, text in enumerate(target.input):
-                    if text in refs:
-                        target.input[k] = swapin
-                        hits += 1
-                if hits == 0:
-                    raise PlanError(f"{consumer!r} does not read {swap.tensor!r}; the plan does not match the graph")
+            _rewire(nodes, group.consumers, refs, swapin, swap.tensor)
         waiters = list(swap.near) if swap.sync_out else []
         waiters += [w for w in swap.waiters if w not in waiters]
         for waiter in waiters:
@@ -237,17 +227,7 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
                                     nodes[producer].device)
                 for waiter in rec.waiters:
                     add_control(waiter, done.name)
-            for consumer in group.consumers:
-                target = nodes.get(consumer)
-                if target is None:
-                    raise PlanError(f"the plan rewires {consumer!r}, which is not in the graph")
-                hits = 0
-                for k, text in enumerate(target.input):
-                    if text in refs:
-                        target.input[k] = made
-                        hits += 1
-                if hits == 0:
-                    raise PlanError(f"{consumer!r} does not read {rec.tensor!r}; the plan does not match the graph")
+            _rewire(nodes, group.consumers, refs, made, rec.tensor)
     control_edges += len(gates)
     for chain in plan.serialize:
         for before, after in zip(chain, chain[1:]):
@@ -259,6 +239,21 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
     report = RewriteReport(len(plan.swaps), n_in, out_bytes, in_bytes, control_edges, tuple(added), n_re, re_bytes,
                            n_clones)
     return out, report
+
+
+def _rewire(nodes: dict, consumers, refs: set, new: str, tensor: str) -> None:
+    """Make each of ``consumers`` read ``new`` wherever it read ``tensor`` (spelled as in ``refs``)."""
+    for consumer in consumers:
+        target = nodes.get(consumer)
+        if target is None:
+            raise PlanError(f"the plan rewires {consumer!r}, which is not in the graph")
+        hits = 0
+        for k, text in enumerate(target.input):
+            if text in refs:
+                target.input[k] = new
+                hits += 1
+        if hits == 0:
+            raise PlanError(f"{consumer!r} does not read {tensor!r}; the plan does not match the graph")
 
 
 def _clone_chain(graph, nodes: dict, ops, prefix: str, unique, gate, source) -> dict[str, str]:
