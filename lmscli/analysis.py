@@ -273,6 +273,8 @@ class Analysis:
     device: str = ""  # the GPU the figures above describe (the one needing the most memory)
     run_peak_bytes: int | None = None  # peak of the graph TensorFlow runs (Grappler-optimized); None: unknown
     grappler_model_peak_bytes: int | None = None  # the same schedule counted as Grappler's estimate counts it
+    peak_in_branches: int = 0  # bytes live at the peak made inside v1 cond branches (lms swaps there)
+    peak_in_loops: int = 0  # bytes live at the peak made inside v1 while loops (one iteration; not swapped)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -466,7 +468,8 @@ def _branch_notes(prepared: Prepared) -> tuple[str, ...]:
     if not prepared.untaken:
         return ()
     return (f"a step runs one branch of each cond: the smaller branches ({len(prepared.untaken)} op(s)) are left "
-            "out of the schedule, and tensors read in them are never swapped",)
+            "out of the schedule, and tensors read in them are never swapped (the larger branches are planned: "
+            "swap-ins there are triggered from the same branch or from before the cond)",)
 
 
 def _loop_notes(view: GraphView, active) -> tuple[str, ...]:
@@ -533,6 +536,13 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
         t = schedule.tensors[tid]
         label = f"{schedule.names[t.producer]}:{t.output}" + (" (swap-in)" if kind == "swapin" else "")
         top.append(OpInfo(label, schedule.ops[t.producer], size))
+    in_branches = in_loops = 0
+    for _kind, tid, size in result.live_at_peak:
+        node = schedule.nodes[schedule.tensors[tid].producer]
+        if view.in_loop(node):
+            in_loops += size
+        elif view.conditional(node):
+            in_branches += size
     loops = {view.frames[i] for i in range(view.size) if view.frames[i]}
     conds = sum(1 for i in range(view.size) if view.ops[i] in ("Switch", "RefSwitch") and not view.frames[i])
     return Analysis(
@@ -561,6 +571,8 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
         lower_bound_op=schedule.names[lb_pos] if lb_pos is not None else None,
         while_loops=len(loops),
         conds=conds,
+        peak_in_branches=in_branches,
+        peak_in_loops=in_loops,
         swappable_tensors=len(cands),
         swappable_bytes=sum(schedule.tensors[t].num_bytes for t in cands),
         unknown_tensors=len(unknown),

@@ -2,13 +2,16 @@
 
 A tensor is a *candidate* when swapping it is both safe and useful:
 
-* its producer is an active GPU op outside any v1 while-loop frame and is not a control-flow op,
-  a constant, a variable or a shape op. Unlike TFLMS we do swap variable reads, identities and
-  placeholders: TensorFlow's memory accounting (and Grappler's) gives their outputs buffers of
+* its producer is an active GPU op outside any v1 while-loop frame and is not a control-flow op
+  (a cond's Switch and Merge excepted: their outputs are ordinary tensors, inside a branch or
+  after the cond), a constant, a variable or a shape op. Unlike TFLMS we do swap variable
+  reads, identities and placeholders: TensorFlow's memory accounting (and Grappler's) gives their outputs buffers of
   their own, and a large weight read held from the forward to the backward pass is as costly
   as an activation;
 * its dtype is numeric (no resource, variant or string handles), its rank is at least 2 and its
   size is known;
+* its swap frees memory: not a variable's own buffer; a buffer that other tensors share (an
+  Identity or a Switch forwarding it) is freed only by swapping them all (``Candidate.shares``);
 * it is not summed by an AddN of three or more inputs (see :func:`_order_sensitive_sum`);
 * at least one consumer is *rewirable*: a GPU op outside while-loop frames that is not itself a
   control-flow op (those need their inputs in a particular frame or form), and whose edge from
@@ -27,6 +30,10 @@ from lmscli.schedule import Schedule
 NEVER_SWAP_PRODUCERS = frozenset(
     {"Const", "HostConst", "Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs"}
 ) | VARIABLE_OPS | CONTROL_FLOW_OPS
+
+# The ops of a v1 cond (outside while loops) make ordinary tensors: a Switch output is its input
+# inside one branch (dead in the other), a Merge output the branch's result after the cond.
+COND_PRODUCERS = frozenset({"Switch", "Merge"})
 
 
 @dataclass(frozen=True)
@@ -108,11 +115,31 @@ def _in_scope(name: str, scope: str) -> bool:
 
 
 def edge_safe(view: GraphView, schedule: Schedule, k: int) -> bool:
-    """May the op at position ``k`` take part in an added control edge (trigger, waiter, serialized
-    chain)? A GPU op outside while loops and cond branches that is not itself control flow."""
+    """May the op at position ``k`` take part in any added control edge (trigger, waiter,
+    serialized chain)? A GPU op outside while loops and cond branches that is not itself control
+    flow."""
+    return trigger_safe(view, schedule, k) and not view.conditional(schedule.nodes[k])
+
+
+def trigger_safe(view: GraphView, schedule: Schedule, k: int) -> bool:
+    """May the op at position ``k`` trigger a swap-in or wait for a swap-out when the branches
+    agree (see :func:`branch_safe`)? A GPU op outside while loops that is not control flow."""
     node = schedule.nodes[k]
-    return (schedule.on_gpu[k] and not view.in_loop(node) and not view.conditional(node)
-            and schedule.ops[k] not in CONTROL_FLOW_OPS)
+    return schedule.on_gpu[k] and not view.in_loop(node) and schedule.ops[k] not in CONTROL_FLOW_OPS
+
+
+def branch_safe(source: frozenset, target: frozenset) -> bool:
+    """May a control edge go from a node in the v1 cond branches ``source`` to one in ``target``
+    (:meth:`GraphView.branch_tags`)? A node in an untaken branch is *dead*, and a control edge from
+    a dead node makes its target dead too: that is harmless only when the target is dead whenever
+    the source is, i.e. when it runs in every branch the source runs in::
+
+        pred --> Switch --:1--> A (branch true)        A - - -> X   X outside the cond, or in the
+                       --:0--> B (branch false)                     false branch: never runs when
+                                                                    pred is false -- refused
+                                                       A - - -> C   C in the true branch: fine
+    """
+    return source <= target
 
 
 @dataclass(frozen=True)
@@ -120,6 +147,7 @@ class Candidate:
     tensor: int  # SimTensor id
     rewirable: tuple[int, ...]  # consumer positions that may read a swap-in
     pinned: tuple[int, ...] = field(default=())  # consumer positions that must read the GPU copy
+    shares: tuple[int, ...] = field(default=())  # other tensors holding its buffer: swapped together or not at all
 
 
 def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters(),
@@ -132,17 +160,19 @@ def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters()
     never swapped, nor tensors read by a node in ``untaken`` (the cond branch the schedule leaves
     out: if it is the one that runs, it must find the tensor on the GPU)."""
     out: dict[int, Candidate] = {}
-    no_gain = _no_gain(schedule)
+    no_gain, shared = _no_gain(schedule)
     for t in schedule.tensors:
         if t.id in no_gain:
             continue
         p = t.producer
         node = schedule.nodes[p]
         op = view.ops[node]
-        if not schedule.on_gpu[p] or op in NEVER_SWAP_PRODUCERS or view.in_loop(node):
+        if not schedule.on_gpu[p] or view.in_loop(node):
             continue
-        if view.names[node] in fused and not absorbed(view, node, fused):
+        if op in NEVER_SWAP_PRODUCERS and op not in COND_PRODUCERS:
             continue
+        if view.names[node] in fused and not absorbed(view, node, fused) and op not in COND_PRODUCERS:
+            continue  # (a cond's Switch Grappler removes is a duplicate: its twin forwards the same tensor)
         if forbidden and f"{view.names[node]}:{t.output}" in forbidden:
             continue
         if untaken and any(view.names[dst] in untaken for dst, _port, out in view.consumers[node] if out == t.output):
@@ -166,7 +196,7 @@ def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters()
             else:
                 pinned.append(c)
         if rewirable:
-            out[t.id] = Candidate(t.id, tuple(rewirable), tuple(pinned))
+            out[t.id] = Candidate(t.id, tuple(rewirable), tuple(pinned), shared.get(t.id, ()))
     return out
 
 
@@ -183,18 +213,25 @@ def _order_sensitive_sum(view: GraphView, node: int) -> bool:
     return view.ops[node] in SUM_OPS and len(view.data_inputs[node]) >= 3
 
 
-def _no_gain(schedule: Schedule) -> set[int]:
-    """Executor model: tensors whose swap frees nothing. A variable read is the variable's own
-    buffer; a tensor whose buffer another tensor still needs after it is made keeps it. Outputs
-    that reuse a tensor's buffer in place do not count: a swap-out holds the buffer, so
-    the kernel allocates instead (see :func:`lmscli.simulator._executor_events`)."""
+def _no_gain(schedule: Schedule) -> tuple[set[int], dict[int, tuple[int, ...]]]:
+    """Executor model: ``(no_gain, shared)``. A variable read is the variable's own buffer: its
+    swap frees nothing (``no_gain``). A tensor whose buffer other tensors still need after it is
+    made (an Identity or a cond's Switch forwards its input's buffer) frees it only when they are
+    swapped too: ``shared`` maps it to them. Outputs that reuse a tensor's buffer in place do not
+    count: a swap-out holds the buffer, so the kernel allocates instead (see
+    :func:`lmscli.simulator._executor_events`)::
+
+        x = Relu(...)  --> Switch --:1--> conv (branch) ... ConvGrad (branch)      x and Switch:1 are
+                       --> ReluGrad (after the cond)                               one buffer: swap both
+    """
     if schedule.memory_model != "executor" or not schedule.shares:
-        return set()
+        return set(), {}
     from lmscli.memmodel import roots
 
     root = roots(schedule)
     members: dict[int, list[int]] = {}
-    out = set()
+    out: set[int] = set()
+    shared: dict[int, tuple[int, ...]] = {}
     for t in schedule.tensors:
         if root[t.id] >= 0:
             members.setdefault(root[t.id], []).append(t.id)
@@ -205,9 +242,11 @@ def _no_gain(schedule: Schedule) -> set[int]:
             continue
         for tid in group:
             made = schedule.tensors[tid].producer
-            if any(_last(schedule.tensors[m]) > made for m in group if m != tid and not _in_place_from(schedule, m, tid)):
-                out.add(tid)
-    return out
+            others = tuple(m for m in group if m != tid and _last(schedule.tensors[m]) > made
+                           and not _in_place_from(schedule, m, tid))
+            if others:
+                shared[tid] = others
+    return out, shared
 
 
 def _in_place_from(schedule: Schedule, m: int, tid: int) -> bool:

@@ -272,14 +272,15 @@ def _emit_json(data: dict) -> None:
 
 
 @contextlib.contextmanager
-def _no_fit_json(schema: str, as_json: bool):
+def _no_fit_json(schema: str, as_json: bool, verbose: bool = False):
     """With ``--json``, a no-plan answer is a document too (``fits: false`` and ``no_fit``), printed
-    before the error line and exit code 3."""
+    before the error line and exit code 3; with ``-v``, the planner's log lines come first."""
     from lmscli.errors import NoFitError
 
     try:
         yield
     except NoFitError as exc:
+        _log(exc.log, verbose)
         if as_json:
             _emit_json({"schema": schema, "version": 1, "fits": False, "necessary": True, "plan": None,
                         "no_fit": exc.to_dict()})
@@ -375,7 +376,7 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
         def probe():
             return api.prepare(loaded, batch_size=batch_size or 1, judge=judge)
 
-        with progress.phase("searching the largest batch size that fits"), _no_fit_json("lms.tune", as_json):
+        with progress.phase("searching the largest batch size that fits"), _no_fit_json("lms.tune", as_json, verbose):
             device = _device(probe, gpu_mem, device_preset, reserve, host_mem, link)
             batch, result, prepared = api.find_max_batch(loaded, device, options, judge=judge)
     else:
@@ -386,7 +387,7 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
                 link = link or STAND_IN_LINK
             device = _device(prepared, gpu_mem, device_preset, reserve, host_mem, link)
         with progress.phase("tuning" + ("" if no_grappler_check else ", then checking the plan with Grappler")), \
-                _no_fit_json("lms.tune", as_json):
+                _no_fit_json("lms.tune", as_json, verbose):
             result = api.tune(prepared, device, options, check=not no_grappler_check)
         batch = None
     result = api.with_link_predictions(prepared, result)
@@ -474,7 +475,7 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
             gpu_mem = str(NO_BUDGET)  # manual TFLMS parameters: no budget to meet
         device = _device(prepared, gpu_mem, device_preset, reserve, host_mem, link)
         with progress.phase("tuning" + ("" if no_grappler_check else ", then checking the plan with Grappler")), \
-                _no_fit_json("lms.rewrite", as_json):
+                _no_fit_json("lms.rewrite", as_json, verbose):
             result = api.with_link_predictions(prepared, api.tune(prepared, device, options,
                                                                   check=not no_grappler_check))
         plan = result.plan

@@ -53,6 +53,7 @@ class NoFitError(LmsError):
         self.bound_bytes = bound_bytes
         self.binding_op = binding_op
         self.budget_bytes = budget_bytes
+        self.log: tuple[str, ...] = ()  # the planner's [LMS] lines up to the answer (shown with -v)
 
     def to_dict(self) -> dict:
         """The answer as JSON fields (``no_fit`` in the documents of ``tune`` and ``rewrite``)."""

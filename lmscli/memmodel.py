@@ -37,6 +37,8 @@ FORWARDING_OPS = frozenset({
     "EnsureShape", "CheckNumerics", "IdentityN", "Enter", "RefEnter", "Exit", "RefExit", "Switch", "RefSwitch",
     "Merge", "RefMerge", "NextIteration", "RefNextIteration",
 })
+# A Switch forwards its input to the output of the branch taken (either port; the other is dead).
+SWITCH_OPS = frozenset({"Switch", "RefSwitch"})
 RESIDENT_READS = frozenset({"ReadVariableOp"})  # the output is the variable's buffer
 
 # Kernels that call forward_input_or_allocate_output: element-wise unary and binary ops, the
@@ -88,7 +90,7 @@ def sharing(ops, tensors, inputs, on_gpu) -> tuple[tuple[int, ...], tuple[bool, 
             root[t.id] = -1
             continue
         same = [i for i in inputs[k] if tensors[i].num_bytes == t.num_bytes]
-        if op in FORWARDING_OPS and same and t.output == 0:
+        if op in FORWARDING_OPS and same and (t.output == 0 or op in SWITCH_OPS):
             src = same[0]
             r = root[t.id] = root[src]
             if r < 0:

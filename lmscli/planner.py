@@ -29,7 +29,7 @@ import numpy as np
 
 from lmscli import timing
 from lmscli.analysis import Prepared, binding
-from lmscli.candidates import Candidate, Filters, candidates, edge_safe
+from lmscli.candidates import COND_PRODUCERS, Candidate, Filters, branch_safe, candidates, edge_safe, trigger_safe
 from lmscli.device import Device
 from lmscli.errors import NoFitError
 from lmscli.plan import Plan, from_sim, graph_fingerprint, recomputes_from_sim
@@ -108,6 +108,11 @@ class _Context:
         for node in sched.nodes:
             self.preds.append(sorted({pos_of[s] for s in self.view.predecessors(node) if s in pos_of}))
         self.can_trigger = [edge_safe(self.view, sched, k) for k in range(len(sched))]
+        # Ops in v1 cond branches may trigger (or wait) too, for work in the same branches.
+        tags = self.view.branch_tags()
+        self.tags: list[frozenset] = [tags[node] for node in sched.nodes]
+        self.can_edge = [ok or (bool(self.tags[k]) and trigger_safe(self.view, sched, k))
+                         for k, ok in enumerate(self.can_trigger)]
         self._triggers = [k for k, ok in enumerate(self.can_trigger) if ok]
         ids = sorted(self.cands)
         self._cand_ids = np.array(ids, dtype=np.int64)
@@ -124,7 +129,8 @@ class _Context:
             from lmscli.recompute import Buffers, recipes
 
             with timing.phase("recompute recipes"):
-                self._recipes = recipes(self.view, self.schedule, self.cands, self.prepared.fused)
+                alone = [t for t, c in self.cands.items() if not c.shares]  # (clones free no shared buffer)
+                self._recipes = recipes(self.view, self.schedule, alone, self.prepared.fused)
                 self.buffers = Buffers(self.schedule)
         return self._recipes
 
@@ -133,36 +139,56 @@ class _Context:
         k = bisect.bisect_right(self._triggers, latest) - 1
         return self._triggers[k] if k >= 0 and self._triggers[k] >= earliest else None
 
-    def latest_trigger(self, consumer: int, earliest: int) -> int | None:
+    def latest_trigger(self, consumer: int, earliest: int, need: frozenset | None = None) -> int | None:
         """The latest op before ``consumer``, from ``earliest`` on, fit to start work for it: its
         latest fit ancestor, else any fit op in that window (the schedule is a topological order,
         so that control edge closes no cycle)."""
-        found = self.trigger(consumer, consumer - 1, earliest)
+        found = self.trigger(consumer, consumer - 1, earliest, need)
         return found if found is not None else self.any_trigger(consumer - 1, earliest)
+
+    def need(self, consumers) -> frozenset:
+        """The cond branches every op of ``consumers`` runs in: a trigger for them may run in
+        these (or outside any cond), see :func:`lmscli.candidates.branch_safe`."""
+        found = None
+        for c in consumers:
+            found = self.tags[c] if found is None else found & self.tags[c]
+        return found or frozenset()
+
+    def can_wait(self, p: int, producer: int) -> bool:
+        """May the op at ``p`` wait for the swap-out of a tensor made at ``producer``?"""
+        return self.can_edge[p] and branch_safe(self.tags[producer], self.tags[p])
 
     def live_candidates(self, p: int) -> list[int]:
         """Candidate tensors produced before ``p`` and read after it."""
         mask = (self._cand_first < p) & (self._cand_last > p)
         return [int(x) for x in self._cand_ids[mask]]
 
-    def trigger(self, consumer: int, latest: int, earliest: int) -> int | None:
+    def trigger(self, consumer: int, latest: int, earliest: int, need: frozenset | None = None) -> int | None:
         """The latest ancestor of ``consumer`` at a position in [earliest, latest] fit to trigger a
-        swap-in (a GPU op outside loops and cond branches), or None.
+        swap-in for ops in the cond branches ``need`` (default: ``consumer``'s), or None: a GPU op
+        outside loops, outside cond branches or in some of ``need``.
 
         Ancestors are visited in decreasing position (the first fit one is the latest) for up to
         ``TRIGGER_VISITS`` nodes; past that, the chain of latest predecessors (in a training graph,
         the backward pass itself) answers in O(log n) by binary lifting.
         """
-        key = (consumer, latest, earliest)
+        if need is None:
+            need = self.tags[consumer]
+        key = (consumer, latest, earliest, need)
         found = self._memo.get(key, -2)
         if found == -2:
-            found = self._search(consumer, latest, earliest)
+            found = self._search(consumer, latest, earliest, need)
             self._memo[key] = found
         return found
 
-    def _search(self, consumer: int, latest: int, earliest: int) -> int | None:
-        found = self.walk_ancestors(consumer, keep=lambda p: p >= earliest,
-                                    accept=lambda p: p <= latest and self.can_trigger[p])
+    def _search(self, consumer: int, latest: int, earliest: int, need: frozenset) -> int | None:
+        if need:
+            def accept(p):
+                return p <= latest and self.can_edge[p] and branch_safe(self.tags[p], need)
+        else:
+            def accept(p):
+                return p <= latest and self.can_trigger[p]
+        found = self.walk_ancestors(consumer, keep=lambda p: p >= earliest, accept=accept)
         return self._lifted(consumer, latest, earliest) if found is CAPPED else found
 
     def walk_ancestors(self, consumer: int, keep, accept):
@@ -227,6 +253,7 @@ class _Choice:
     stall: int = 0  # predicted microseconds the consumer waits
     recipe: object = None  # a recomputation: the recipe it runs
     cost: int = 0  # predicted microseconds the choice adds to the step
+    companions: tuple = ()  # swaps of the other tensors sharing its buffer, made with it (size 0)
 
 
 def _busy_blocks(transfers) -> list[tuple[int, int]]:
@@ -288,7 +315,7 @@ def _gap_swap(ctx: _Context, cand: Candidate, p: int, result: SimResult,
     stall = 0
     if lo > p:
         # The transfer cannot be done before p starts: p waits for the swap-out (a stall).
-        if not ctx.can_trigger[p]:
+        if not ctx.can_wait(p, t.producer):
             return None
         waiters, lo = (p,), p
         stall = freed_at - starts[p]
@@ -296,7 +323,8 @@ def _gap_swap(ctx: _Context, cand: Candidate, p: int, result: SimResult,
     earliest = near[-1] if near else t.producer
     # Latest trigger whose end leaves the transfer time before v starts (no stall) ...
     latest = min(bisect.bisect_right(ends, starts[v] - transfer) - 1, v - 1)
-    trig = ctx.trigger(v, latest, max(earliest, p)) if latest >= max(earliest, p) else None
+    need = ctx.need(far)
+    trig = ctx.trigger(v, latest, max(earliest, p), need) if latest >= max(earliest, p) else None
     if trig is None and latest >= max(earliest, p):
         # No ancestor of v runs in that window (a weight update's inputs are all made early): any
         # op before v in the schedule may start the transfer; its control edge cannot close a
@@ -304,7 +332,7 @@ def _gap_swap(ctx: _Context, cand: Candidate, p: int, result: SimResult,
         trig = ctx.any_trigger(latest, max(earliest, p))
     if trig is None:
         # ... else the latest trigger that still covers p, accepting a stall.
-        trig = ctx.trigger(v, v - 1, max(earliest, p))
+        trig = ctx.trigger(v, v - 1, max(earliest, p), need)
         if trig is None:
             return None
         stall += max(0, transfer - (starts[v] - ends[trig]))
@@ -325,7 +353,7 @@ def _gap_recompute(ctx: _Context, cand: Candidate, p: int, result: SimResult, ch
     if split is None:
         return None
     near, far = split
-    trig = ctx.latest_trigger(far[0], max(near[-1] if near else t.producer, p))
+    trig = ctx.latest_trigger(far[0], max(near[-1] if near else t.producer, p), ctx.need(far))
     if trig is None:
         return None
     starts = result.starts
@@ -335,7 +363,8 @@ def _gap_recompute(ctx: _Context, cand: Candidate, p: int, result: SimResult, ch
     for recipe in recipes:  # the shortest whose sources are all on the GPU when the clones run
         if (all(ctx.buffers.alive(s, trig, t.id) and not any(m in chosen for m in ctx.buffers.group(s))
                 for s in recipe.sources)
-                and all(w > trig for w in recipe.writers) and not any(s in chosen for s in recipe.small)):
+                and all(w > trig and branch_safe(ctx.tags[trig], ctx.tags[w]) for w in recipe.writers)
+                and not any(s in chosen for s in recipe.small)):
             swap = SimSwap(t.id, tuple(near), (SwapIn(tuple(far), trig),), waiters=recipe.writers, kind="recompute",
                            cost=recipe.cost, extra=recipe.extra, chain=recipe.positions)
             return _Choice(swap, lo, trig, t.num_bytes, 0, recipe, recipe.cost)
@@ -463,7 +492,10 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
                 continue  # a source, or a tensor sharing its buffer, was chosen a moment ago
             if best.swap.tensor in held:
                 continue  # a recomputation chosen a moment ago reads it
+            if any(c.swap.tensor in chosen or c.swap.tensor in held for c in best.companions):
+                continue
             chosen[best.swap.tensor] = best
+            chosen.update((c.swap.tensor, c) for c in best.companions)
             if best.recipe is not None:  # its sources, and what shares their buffers, stay as they are
                 held.update(m for src in best.recipe.sources + best.recipe.small for m in ctx.buffers.group(src))
             profile[best.lo: best.hi + 1] -= best.size
@@ -504,7 +536,15 @@ def _ranked_choices(ctx: _Context, chosen: dict, p: int, judged: _Judged, clippe
         if tid in chosen or tid in held:
             continue
         options = []
-        if "swap" in modes:
+        if ctx.cands[tid].shares:
+            choice = _gap_joint(ctx, ctx.cands[tid], p, result, d2h, chosen, held) if "swap" in modes else None
+            if choice is not None:
+                choice.cost = choice.stall
+                if hybrid:
+                    moved = choice.size * (1 + len(choice.companions))
+                    choice.cost = _swap_cost(choice.stall, transfer_us(moved, ctx.device.link_bandwidth), busy, compute)
+                options.append(choice)
+        elif "swap" in modes:
             choice = _gap_swap(ctx, ctx.cands[tid], p, result, d2h)
             if choice is not None:
                 choice.cost = choice.stall
@@ -516,7 +556,8 @@ def _ranked_choices(ctx: _Context, chosen: dict, p: int, judged: _Judged, clippe
             choice = _gap_recompute(ctx, ctx.cands[tid], p, result, chosen)
             if choice is not None:
                 options.append(choice)
-        options = [c for c in options if _helps_instantly(ctx, c.swap, p, judged.instant)]
+        options = [c for c in options if all(_helps_instantly(ctx, x.swap, p, judged.instant)
+                                             for x in (c,) + c.companions)]
         if not options:
             continue
         choice = min(options, key=lambda c: (c.cost, c.recipe is not None))
@@ -527,6 +568,34 @@ def _ranked_choices(ctx: _Context, chosen: dict, p: int, judged: _Judged, clippe
         return [c for _, c in ranked]
     late = _late_free(ctx, chosen, p, judged)
     return [late] if late is not None else []
+
+
+def _gap_joint(ctx: _Context, cand: Candidate, p: int, result: SimResult, d2h, chosen: dict,
+               held: set) -> _Choice | None:
+    """Swap ``cand`` and every tensor sharing its buffer that is live across ``p`` (an Identity's
+    or a cond Switch's output, forwarding it), each with its own swap-out and swap-in: the buffer
+    is free only while none holds it. One choice (the lowest tensor id live across ``p`` makes
+    it), the others its size-0 companions."""
+    sched = ctx.schedule
+    live = [m for m in (cand.tensor,) + cand.shares
+            if sched.tensors[m].consumers and sched.tensors[m].producer < p < sched.tensors[m].consumers[-1]]
+    if min(live) != cand.tensor:
+        return None
+    choices = []
+    for m in sorted(live):
+        other = ctx.cands.get(m)
+        if other is None or m in chosen or m in held:
+            return None
+        choice = _gap_swap(ctx, other, p, result, d2h)
+        if choice is None:
+            return None
+        choices.append(choice)
+    lo, hi = max(c.lo for c in choices), min(c.hi for c in choices)
+    if not (lo <= p <= hi):
+        return None
+    first = choices[0]
+    companions = tuple(_Choice(c.swap, lo, hi, 0, c.stall) for c in choices[1:])
+    return _Choice(first.swap, lo, hi, first.size, sum(c.stall for c in choices), companions=companions)
 
 
 def _helps_instantly(ctx: _Context, swap: SimSwap, p: int, instant: SimResult) -> bool:
@@ -546,7 +615,7 @@ def _us(seconds: float) -> int:
 def _late_free(ctx: _Context, chosen: dict, p: int, judged: _Judged) -> _Choice | None:
     """A swapped tensor whose GPU copy is still held at ``p`` because its swap-out is late
     (the device-to-host stream is busy): make ``p`` wait for that swap-out."""
-    if not ctx.can_trigger[p]:
+    if not ctx.can_edge[p]:
         return None
     result, out_end = judged.result, judged.out_end
     best = None
@@ -556,6 +625,8 @@ def _late_free(ctx: _Context, chosen: dict, p: int, judged: _Judged) -> _Choice 
         if swap.recompute:
             continue
         if p in swap.waiters or (swap.near and swap.near[-1] >= p) or ctx.schedule.tensors[tid].producer >= p:
+            continue
+        if not ctx.can_wait(p, ctx.schedule.tensors[tid].producer):
             continue
         if swap.groups and swap.groups[0].trigger < p:
             continue
@@ -584,6 +655,8 @@ def tflms_swaps(ctx: _Context, params: TflmsParams) -> list[SimSwap]:
     for tid in sorted(ctx.cands):
         cand = ctx.cands[tid]
         t = sched.tensors[tid]
+        if cand.shares or sched.ops[t.producer] in COND_PRODUCERS:
+            continue  # (TFLMS swapped neither forwarded buffers nor control-flow outputs)
         lp = levels[t.producer]
         far = [c for c in cand.rewirable if levels[c] - lp > params.swapout_threshold]
         if not far:
@@ -636,7 +709,7 @@ def _level_search(ctx: _Context, consumer: int, top: int, bottom: int) -> int | 
 def _just_in_time(ctx: _Context, consumer: int, producer: int) -> int:
     """Synchronous swap-in: start when the consumer's other inputs are ready (its latest ancestor
     fit to trigger); with none, right after the producer (the swap-in then follows the swap-out)."""
-    found = ctx.trigger(consumer, consumer - 1, producer)
+    found = ctx.trigger(consumer, consumer - 1, producer, frozenset())  # (outside cond branches)
     return found if found is not None else producer
 
 
@@ -701,9 +774,17 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
         return _tune_each_gpu(prepared, device, options, margin)
     if isinstance(margin, dict):
         margin = margin.get(prepared.schedule.device, 0)
+    log: list[str] = []
+    try:
+        return _tune_one(prepared, device, options, margin, log)
+    except NoFitError as exc:
+        exc.log = exc.log or tuple(log)
+        raise
+
+
+def _tune_one(prepared: Prepared, device: Device, options: TuneOptions, margin: int, log: list[str]) -> TuneResult:
     ctx = _Context(prepared, device, options.filters, options.forbidden)
     sched = ctx.schedule
-    log: list[str] = []
     baseline = ctx.simulate(())
     budget = device.budget
     budget_act = budget - sched.resident_bytes - margin
@@ -894,12 +975,15 @@ def _with_recomputations(ctx: _Context, swaps: list, budget_act: int, result: Si
         group = swap.groups[0]
         v = group.consumers[0]
         earliest = max(swap.near[-1] if swap.near else sched.tensors[tid].producer, group.trigger)
-        trig = ctx.latest_trigger(v, earliest)
+        trig = ctx.latest_trigger(v, earliest, ctx.need(group.consumers))
         if trig is None:
             continue
         made = None
         for recipe in ctx.recipes[tid]:
-            back = _sources_back(ctx, recipe, current, trig, result, tid)
+            need = ctx.need(group.consumers + recipe.writers)
+            if not branch_safe(ctx.tags[trig], need):
+                continue  # an update of a variable the clones read would wait in a branch
+            back = _sources_back(ctx, recipe, current, trig, result, tid, need)
             if back is not None and not any(s in current for s in recipe.small) and all(w > trig for w in recipe.writers):
                 made = (recipe,) + back
                 break
@@ -921,11 +1005,13 @@ def _with_recomputations(ctx: _Context, swaps: list, budget_act: int, result: Si
     return final, ctx.simulate(final)
 
 
-def _sources_back(ctx: _Context, recipe, current: dict, trig: int, result: SimResult, made: int):
+def _sources_back(ctx: _Context, recipe, current: dict, trig: int, result: SimResult, made: int,
+                  need: frozenset = frozenset()):
     """How the clones of ``recipe`` (run when ``trig`` ends) find each source on the GPU:
     ``(via, moved)``, the ``(tensor, group)`` swap-ins they read and the swaps whose next swap-in
     must start earlier for it (tensor -> SimSwap), the other sources being still there; None when
-    a source is gone (recomputed, or swapped with no swap-in to bring it back then).
+    a source is gone (recomputed, or swapped with no swap-in to bring it back then). The swap-ins
+    read run outside cond branches or in ``need`` (the clones' readers' and waiters' branches).
 
     A swap-in that comes after the clones is started earlier, early enough on the link to be back
     when the trigger ends (else as late as the trigger, and the clones wait)::
@@ -943,6 +1029,8 @@ def _sources_back(ctx: _Context, recipe, current: dict, trig: int, result: SimRe
         if other.recompute or other.sync_out:
             return None
         held = [g for g, grp in enumerate(other.groups) if grp.trigger <= trig < grp.consumers[-1]]
+        if held and not branch_safe(ctx.tags[other.groups[held[0]].trigger], need):
+            return None
         if held:
             via.append((s, held[0]))
             continue
@@ -957,9 +1045,10 @@ def _sources_back(ctx: _Context, recipe, current: dict, trig: int, result: SimRe
             return None
         transfer = transfer_us(t.num_bytes, ctx.device.link_bandwidth)
         latest = min(bisect.bisect_right(result.ends, result.ends[trig] - transfer) - 1, trig)
-        start = ctx.trigger(group.consumers[0], latest, earliest) if latest >= earliest else None
+        both = ctx.need(group.consumers) & need
+        start = ctx.trigger(group.consumers[0], latest, earliest, both) if latest >= earliest else None
         if start is None:
-            start = ctx.trigger(group.consumers[0], trig, earliest)
+            start = ctx.trigger(group.consumers[0], trig, earliest, both)
         if start is None:
             return None
         groups = list(other.groups)
@@ -984,7 +1073,7 @@ def _stuck_message(ctx: _Context, stuck: _Stuck, strategy: str, budget_act: int,
     if ctx.view.in_loop(node):
         where = " (inside a while loop, where lms does not swap)"
     elif ctx.view.conditional(node):
-        where = " (inside a cond branch, where lms adds no control edges)"
+        where = " (inside a cond branch)"
     planned = budget_act + sched.resident_bytes
     under = format_size(ctx.device.budget)
     kind = {"recompute": "recompute", "hybrid": "swap or recompute"}.get(strategy, "swap")

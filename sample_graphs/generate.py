@@ -59,6 +59,7 @@ DEFAULTS = {
     "unknown_batch": dict(image_size=28, channels=1, classes=10),
     "while_rnn": dict(batch=4, steps=8, input_dim=16, hidden=32, classes=10),
     "cond_cnn": dict(batch=4, image_size=16, channels=3, classes=10),
+    "cond_branch": dict(batch=4, image_size=32, channels=3, classes=10, depth=6),
     "synthetic": dict(nodes=10000, batch=8, width=32),
     "frozen_cnn": dict(batch=1, image_size=32, channels=3, classes=10),
     "two_gpu_cnn": dict(batch=8, image_size=32, channels=3, classes=10),
@@ -355,6 +356,38 @@ def _cond_cnn(net, batch, image_size, channels, classes):
     return {"images": x, "labels": y, "loss": loss}
 
 
+def _cond_branch(net, batch, image_size, channels, classes, depth):
+    """A v1 cond between the stem and the classifier: its true branch is a deep residual stack,
+    its false branch one 1x1 conv, so the backward pass starts inside the true branch's gradient,
+    where the step peaks. Variables are made outside the cond (as TF1 code sharing them does);
+    the predicate defaults to True."""
+    x = v1.placeholder(tf.float32, [batch, image_size, image_size, channels], name="images")
+    y = v1.placeholder(tf.float32, [batch, classes], name="labels")
+    pred = v1.placeholder_with_default(True, [], name="use_deep_branch")
+    h = net.conv2d(x, 32, 3, "stem")
+    with v1.variable_scope("deep"):
+        ws = [net.weight("conv%d/weights" % i, [3, 3, 32, 32], 9 * 32) for i in range(depth)]
+    with v1.variable_scope("shallow"):
+        w1 = net.weight("conv/weights", [1, 1, 32, 32], 32)
+
+    def deep():
+        t = h
+        for i, w in enumerate(ws):
+            u = tf.nn.conv2d(t, w, 1, "SAME", name="conv%d" % i)
+            u = tf.nn.relu(u) if i % 2 == 0 else tf.nn.elu(u)
+            t = t + u if i % 2 == 1 else u
+        return tf.reduce_mean(t, axis=[1, 2], name="pool")
+
+    def shallow():
+        return tf.reduce_mean(tf.nn.relu(tf.nn.conv2d(h, w1, 1, "SAME", name="conv")), axis=[1, 2], name="pool")
+
+    h = v1.cond(pred, deep, shallow, name="branch")
+    logits = net.dense(h, classes, "logits")
+    loss = _softmax_loss(logits, y)
+    _finish(loss, v1.train.MomentumOptimizer(0.01, 0.9))
+    return {"images": x, "labels": y, "loss": loss}
+
+
 def _two_gpu_cnn(net, batch, image_size, channels, classes):
     """Data parallel over two GPUs: variables on the host, one tower per GPU on half the batch,
     gradients averaged on the host (the classic TF1 multi-tower pattern)."""
@@ -483,6 +516,7 @@ _BODIES = {
     "unknown_batch": _unknown_batch,
     "while_rnn": _while_rnn,
     "cond_cnn": _cond_cnn,
+    "cond_branch": _cond_branch,
     "two_gpu_cnn": _two_gpu_cnn,
     "transformer": _transformer,
     "densenet": _densenet,
@@ -512,7 +546,7 @@ def _shape_args(model, kwargs):
 def _build_graph(model, args):
     """Builds a training model in a fresh graph; returns (graph, endpoints)."""
     g = tf.Graph()
-    cf = _control_flow_v1() if model in ("while_rnn", "cond_cnn") else contextlib.nullcontext()
+    cf = _control_flow_v1() if model in ("while_rnn", "cond_cnn", "cond_branch") else contextlib.nullcontext()
     with cf, g.as_default():
         v1.set_random_seed(0)
         net = _Net()
@@ -701,6 +735,7 @@ SAMPLES = {
     "unknown_batch": (["unknown_batch.meta"], "small CNN with batch dimension None, GradientDescent"),
     "while_rnn": (["while_rnn.meta"], "RNN in a v1 while_loop (8 steps), GradientDescent"),
     "cond_cnn": (["cond_cnn.meta"], "small CNN with a v1 cond between two conv branches, Momentum"),
+    "cond_branch": (["cond_branch.meta"], "CNN with a v1 cond, a 6-conv residual branch (the peak) or a 1x1 conv, Momentum"),
     "two_gpu_cnn": (["two_gpu_cnn.meta"], "5-conv CNN data parallel on /device:GPU:0 and GPU:1, variables on CPU:0, Momentum"),
 }
 
