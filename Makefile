@@ -29,7 +29,7 @@ samples: install
 
 lint: install
 	$(BIN)/python -m pip install --quiet ruff
-	$(BIN)/ruff check lmscli tests bench sample_graphs
+	$(BIN)/ruff check lmscli tests bench sample_graphs docs
 
 bench: install
 	$(BIN)/python bench/run.py

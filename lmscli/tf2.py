@@ -102,8 +102,9 @@ def model_of(concrete_function, name: str | None = None):
     fetches = tuple(dict.fromkeys([t.split(":")[0] for t in outputs] + list(control)))
     if not fetches:
         raise InputError("the concrete function has neither outputs nor control outputs: nothing to train")
-    model = Model(name or f"<tf.function {concrete_function.name.decode() if isinstance(concrete_function.name, bytes) else concrete_function.name}>",
-                  "metagraph", meta, fetches, "option")
+    label = concrete_function.name
+    label = label.decode() if isinstance(label, bytes) else str(label)
+    model = Model(name or f"<tf.function {label}>", "metagraph", meta, fetches, "option")
     signature = _Signature(tuple(t.op.name for t in args), tuple(t.op.name for t in inner), handles, tuple(originals),
                            outputs, control, concrete_function.structured_outputs)
     return model, signature
