@@ -52,7 +52,7 @@ class Prepared:
         if len(self.schedule) > RUN_JUDGE_MAX_OPS and not self.observed_order:
             return None
         return run_peak(self.model, with_graph_def(self.model.meta_graph, self.graph_def), self.optimized,
-                        self.scratch, self.observed_order, self.observed_micros)
+                        self.scratch, self.observed_order, self.observed_micros, known=self.view.tensor_facts())
 
     def with_scratch(self, scratch: dict) -> "Prepared":
         """The same step with each op's kernel scratch (node name -> bytes) counted while it runs."""
@@ -88,7 +88,7 @@ class Prepared:
 @timed("prepare")
 def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grappler",
             flops: float = 15.7e12, mem_bandwidth: float = 900e9, judge: str = "executor",
-            optimize: bool = True, prune_dead: bool | None = None) -> Prepared:
+            optimize: bool = True, prune_dead: bool | None = None, known: dict | None = None) -> Prepared:
     """Infer shapes (applying ``batch_size`` to unknown placeholder batch dims) and build the schedule.
 
     ``cost_model="grappler"`` orders and times ops by Grappler's virtual scheduler on a virtual
@@ -100,7 +100,9 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
     ``prune_dead`` (default: under the executor judge) leaves out of the schedule the ops those
     optimizations prune as unused (:func:`lmscli.grappler.dead_nodes`): a Session never runs them,
     and in the graph as written they hold tensors into the backward pass; and the smaller branch
-    of each v1 cond (:meth:`GraphView.untaken_branches`), as a step runs one.
+    of each v1 cond (:meth:`GraphView.untaken_branches`), as a step runs one. ``known``: tensor
+    facts by node name (of the graph as written) for outputs whose size inference leaves unknown
+    (Grappler's rewrite of a v1 loop can defeat TensorFlow's shape inference inside it).
     """
     from lmscli import shapes
 
@@ -118,6 +120,8 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
     pending = grappler.optimize_in_parallel(meta, model.fetches) if optimize else None
     try:
         tensors = shapes.infer(graph_def)
+        if known:
+            tensors = _filled(tensors, known)
         if not changed and model.structure is not None and model.structure.size == len(graph_def.node):
             view = model.structure.with_tensors(tensors)
         else:
@@ -158,18 +162,29 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
 
 
 @timed("judge")
+def _filled(tensors: dict, known: dict) -> dict:
+    """``tensors`` with the sizes ``known`` has for outputs of the same node it leaves unknown."""
+    out = dict(tensors)
+    for name, infos in tensors.items():
+        other = known.get(name)
+        if other and len(other) == len(infos) and any(i.num_bytes is None and o.num_bytes is not None
+                                                       for i, o in zip(infos, other)):
+            out[name] = tuple(o if i.num_bytes is None and o.num_bytes is not None else i for i, o in zip(infos, other))
+    return out
+
+
 def run_peak(model: Model, meta_graph, optimized, scratch: dict | None = None, order=(),
-             micros: dict | None = None, link_bandwidth: float = float("inf")) -> int | None:
+             micros: dict | None = None, link_bandwidth: float = float("inf"), known: dict | None = None) -> int | None:
     """The executor model's peak of the graph a Session really runs: ``optimized``, what
     Grappler's default optimizations make of ``meta_graph`` (fusions, folded constants and the
     order they allow change the step's memory: on an attention model it fell by a third); for the
     stand-in (``order`` or ``scratch`` observed on it) with the BFC allocator's fragmentation. The
     largest over the step's GPUs, resident bytes included; None when it cannot be scheduled."""
-    seen = run_graph(model, meta_graph, optimized)
+    seen = run_graph(model, meta_graph, optimized, known)
     return None if seen is None else run_peak_of(seen, scratch, order, micros, link_bandwidth)
 
 
-def run_graph(model: Model, meta_graph, optimized) -> Prepared | None:
+def run_graph(model: Model, meta_graph, optimized, known: dict | None = None) -> Prepared | None:
     """``optimized`` (the graph a Session runs for ``meta_graph``) prepared for the simulator;
     None when there is none or it cannot be scheduled."""
     from lmscli.errors import LmsError
@@ -179,7 +194,7 @@ def run_graph(model: Model, meta_graph, optimized) -> Prepared | None:
     graph = Model(model.path, model.format, with_graph_def(meta_graph, optimized), tuple(model.fetches),
                   model.fetch_source, [])
     try:
-        return prepare(graph, optimize=False)
+        return prepare(graph, optimize=False, known=known)
     except LmsError:
         return None
 
@@ -274,7 +289,7 @@ class Analysis:
     run_peak_bytes: int | None = None  # peak of the graph TensorFlow runs (Grappler-optimized); None: unknown
     grappler_model_peak_bytes: int | None = None  # the same schedule counted as Grappler's estimate counts it
     peak_in_branches: int = 0  # bytes live at the peak made inside v1 cond branches (lms swaps there)
-    peak_in_loops: int = 0  # bytes live at the peak made inside v1 while loops (one iteration; not swapped)
+    peak_in_loops: int = 0  # bytes live at the peak made inside v1 while loops (stacks and arrays included; not swapped)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -401,7 +416,7 @@ def binding(prepared: Prepared, swappable: set[int], baseline: SimResult | None 
     for t in schedule.tensors:
         last = t.consumers[-1] if t.consumers else t.producer
         if t.id in best_touched or (t.id not in swappable and starts[t.producer] <= time <= ends[last]):
-            held.append((f"{schedule.names[t.producer]}:{t.output}", t.num_bytes, t.id in swappable))
+            held.append((schedule.label(t.id), t.num_bytes, t.id in swappable))
     held.sort(key=lambda h: (-h[1], h[0]))
     ops = tuple(running[best_i])
     return Bound(best + schedule.resident_bytes, ops[0], time, ops, best_level,
@@ -450,7 +465,7 @@ def _executor_binding(schedule: Schedule, swappable: set[int], base: SimResult) 
     for r, num in size.items():
         if r in best_touched or (r not in movable and first[r] <= best_k <= last[r]):
             t = schedule.tensors[r]
-            held.append((f"{schedule.names[t.producer]}:{t.output}", num, r in movable))
+            held.append((schedule.label(t.id), num, r in movable))
     held.sort(key=lambda h: (-h[1], h[0]))
     return Bound(best + schedule.resident_bytes, best_k, base.starts[best_k], (best_k,), best_level,
                  sum(size[r] for r in best_touched), tuple(held[:10]))
@@ -473,14 +488,12 @@ def _branch_notes(prepared: Prepared) -> tuple[str, ...]:
 
 
 def _loop_notes(view: GraphView, active) -> tuple[str, ...]:
-    """A note when the step runs v1 while loops: their bodies are counted for one iteration."""
-    frames = {view.frames[i] for i in active if view.frames[i]}
-    if not frames:
+    """Notes when the step runs v1 while loops: their trip counts, or that they are unknown."""
+    if not any(view.frames[i] for i in active):
         return ()
-    stacks = sum(1 for i in active if view.frames[i] and view.ops[i] in ("StackPushV2", "StackPush"))
-    return (f"the step runs {len(frames)} while loop(s): each body is counted for one iteration, so what a loop "
-            f"keeps per iteration{f' ({stacks} gradient stack push(es))' if stacks else ''} is not multiplied by "
-            "its trip count and the peak is underestimated",)
+    from lmscli import loops
+
+    return loops.notes(view, active, loops.trip_counts(view))
 
 
 def _call_notes(view: GraphView, active) -> tuple[str, ...]:
@@ -534,7 +547,7 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
     top = []
     for kind, tid, size in result.live_at_peak[:10]:
         t = schedule.tensors[tid]
-        label = f"{schedule.names[t.producer]}:{t.output}" + (" (swap-in)" if kind == "swapin" else "")
+        label = schedule.label(tid) + (" (swap-in)" if kind == "swapin" else "")
         top.append(OpInfo(label, schedule.ops[t.producer], size))
     in_branches = in_loops = 0
     for _kind, tid, size in result.live_at_peak:

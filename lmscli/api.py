@@ -105,12 +105,13 @@ def run_peak(prepared: Prepared, rewritten, optimized, link_bandwidth: float = f
     from lmscli.analysis import run_peak as peak_of
 
     if not prepared.observed_order:
-        return peak_of(prepared.model, rewritten, optimized, link_bandwidth=link_bandwidth)
+        return peak_of(prepared.model, rewritten, optimized, link_bandwidth=link_bandwidth,
+                       known=prepared.view.tensor_facts())
     from lmscli.prove.scratch import observe
 
     seen = observe(rewritten, prepared.model.fetches, prepared.batch_size or 1)
     return peak_of(prepared.model, rewritten, optimized, {**(prepared.scratch or {}), **seen.scratch}, seen.order,
-                   seen.micros, link_bandwidth)
+                   seen.micros, link_bandwidth, known=prepared.view.tensor_facts())
 
 
 def for_stand_in(prepared: Prepared) -> Prepared:

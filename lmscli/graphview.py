@@ -318,8 +318,13 @@ class GraphView:
         """The same structure with tensor facts attached (no structural work is redone)."""
         other = object.__new__(GraphView)
         other.__dict__.update(self.__dict__)
+        other.__dict__.pop("_loop_storage", None)  # sized by tensor facts (lmscli.schedule.loop_storage)
         other._tensors = {k: tuple(v) for k, v in tensors.items()}
         return other
+
+    def tensor_facts(self) -> dict[str, tuple[TensorInfo, ...]]:
+        """Node name -> its outputs' facts (what :meth:`with_tensors` attached)."""
+        return self._tensors
 
     def outputs(self, i: int) -> tuple[TensorInfo, ...]:
         return self._tensors.get(self.names[i], ())

@@ -40,7 +40,7 @@ def plan_details(prepared, result, limit: int = 10) -> dict:
     top = []
     for kind, tid, num_bytes in result.result.live_at_peak[:limit]:
         t = sched.tensors[tid]
-        top.append({"name": f"{sched.names[t.producer]}:{t.output}", "type": sched.ops[t.producer],
+        top.append({"name": sched.label(t.id), "type": sched.ops[t.producer],
                     "bytes": num_bytes, "swap_in": kind == "swapin"})
     return {"top_live_at_peak": top,
             "op_levels": {name: view.levels[view.index[name]] for name in sorted(named) if name in view.index}}
@@ -113,7 +113,7 @@ def render_analysis(console: Console, a, baseline=None) -> None:
     if a.while_loops or a.conds:
         t.add_row("control flow", f"{a.while_loops} while loop(s), {a.conds} cond switch(es)")
         t.add_row("at the peak", f"{format_size(a.peak_in_branches)} made in cond branches (swapped there), "
-                  f"{format_size(a.peak_in_loops)} in while loops (one iteration counted; not swapped)")
+                  f"{format_size(a.peak_in_loops)} in while loops (not swapped)")
     if a.unknown_tensors:
         t.add_row("unknown sizes", f"[yellow]{a.unknown_tensors} tensor(s) with unknown shape (counted as 0 bytes)[/]")
     console.print(t)

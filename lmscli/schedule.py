@@ -107,6 +107,13 @@ class Schedule:
     def __len__(self) -> int:
         return len(self.nodes)
 
+    def label(self, tid: int) -> str:
+        """``node:output``; for what a loop keeps across iterations, the op that keeps it."""
+        t = self.tensors[tid]
+        if t.output == STORAGE_OUTPUT:
+            return f"{self.names[t.producer]} (kept across loop iterations)"
+        return f"{self.names[t.producer]}:{t.output}"
+
 
 def variable_bytes(view: GraphView, i: int) -> int:
     """Storage bytes of a variable node, from its ``shape`` and ``dtype`` attributes."""
@@ -201,6 +208,34 @@ def build_schedules(view: GraphView, fetches, flops: float = 15.7e12, mem_bandwi
                  for device in devices)
 
 
+STORAGE_OUTPUT = -1  # the output index of the tensor standing for what a loop keeps across iterations
+
+
+def loop_storage(view: GraphView):
+    """What the graph's v1 while loops keep across iterations (:func:`lmscli.loops.storage`),
+    computed once per view with tensor facts."""
+    cached = view.__dict__.get("_loop_storage")
+    if cached is None:
+        from lmscli import loops
+
+        cached = loops.storage(view) if any(view.frames) else ()
+        view.__dict__["_loop_storage"] = cached
+    return cached
+
+
+def _add_storage(tensors: list, inputs: list, pos: int, kept, position: dict, n: int) -> None:
+    """A tensor of ``kept.num_bytes`` made at ``pos`` (a push, a TensorArray write) and read by the
+    pops or reads of the same stack or array (the last op of the step when none runs)::
+
+        StackPushV2 (pos) --- 64 x element ---> StackPopV2      one tensor, output -1
+    """
+    readers = tuple(sorted({position[r] for r in kept.readers if r in position and position[r] > pos})) or (n - 1,)
+    tid = len(tensors)
+    tensors.append(SimTensor(tid, pos, STORAGE_OUTPUT, kept.num_bytes, readers))
+    for reader in readers:
+        inputs[reader].append(tid)
+
+
 def _describe(view: GraphView, order: list[int], cost: dict, on_gpu: list[bool], device: str) -> Schedule:
     """The schedule of ``order`` as seen by one GPU: ``on_gpu`` marks its ops."""
     position = {node: pos for pos, node in enumerate(order)}
@@ -210,9 +245,12 @@ def _describe(view: GraphView, order: list[int], cost: dict, on_gpu: list[bool],
     const_bytes = 0
     tensors: list[SimTensor] = []
     inputs: list[list[int]] = [[] for _ in order]
+    kept = {s.writer: s for s in loop_storage(view)}
     for pos, i in enumerate(order):
         if view.ops[i] in VARIABLE_OPS:
             continue
+        if i in kept and on_gpu[pos]:
+            _add_storage(tensors, inputs, pos, kept[i], position, len(order))
         is_const = view.ops[i] in CONSTANT_OPS
         by_output: dict[int, set[int]] = {}
         for dst, _port, output in view.consumers[i]:

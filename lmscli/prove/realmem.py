@@ -65,7 +65,8 @@ def predict(model, batch_size: int | None = None, observation=None) -> tuple[Pre
     observation = own
     # The graph TensorFlow runs (Grappler-optimized) when it can be scheduled, else the graph as
     # written; it is prepared once for both figures.
-    run = run_graph(model, api.with_graph_def(meta, prepared.graph_def), prepared.optimized)
+    run = run_graph(model, api.with_graph_def(meta, prepared.graph_def), prepared.optimized,
+                    prepared.view.tensor_facts())
     on_gpu = (run_peak_of(run) if run is not None and len(schedule) <= RUN_JUDGE_MAX_OPS
               else simulate(schedule, detail=False).peak_bytes)
     if run is not None:

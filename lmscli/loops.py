@@ -1,0 +1,326 @@
+"""What v1 while loops keep across iterations: trip counts, gradient stacks and TensorArrays.
+
+The schedule runs a loop body once. What one iteration makes and drops is counted that way, but
+two things grow with the number of iterations and outlive the loop:
+
+* **gradient stacks**: the gradient of a loop saves each iteration's forward values with a
+  ``StackPushV2`` in the forward loop and takes them back with a ``StackPopV2`` in the gradient
+  loop; a stack holds ``trips x`` the pushed tensor from its pushes to its pops;
+* **TensorArrays**: a ``TensorArrayWriteV3`` in a loop stores one element per iteration until the
+  array is read, gathered or concatenated after it (``dynamic_rnn``'s outputs); a
+  ``TensorArrayScatterV3`` before a loop stores a whole tensor, split, until the loop has read it
+  (``dynamic_rnn``'s inputs, and the gradient of its outputs).
+
+:func:`storage` finds both and sizes them with the loop's trip count, which :func:`trip_counts`
+reads from the loop condition: ``Less(i, n)`` (or a ``LogicalAnd`` of such tests, as
+``maximum_iterations`` makes) with ``n`` computed outside the loop, from a constant or, failing
+that, by running the few ops it depends on (shapes of the placeholders, known statically). A
+gradient loop runs as many iterations as the loop whose stacks it pops. A loop whose count cannot
+be read is left at one iteration, and :func:`notes` says so::
+
+    forward loop (64 iterations)            gradient loop (64 iterations)
+    h_t = cell(x_t, h_t-1)                  dh = ...
+    StackPushV2(stack, gates_t)   ------->  gates = StackPopV2(stack)
+                      held: 64 x gates, from the first push to the last pop
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lmscli.graphview import GraphView
+
+PUSH_OPS = frozenset({"StackPushV2", "StackPush"})
+POP_OPS = frozenset({"StackPopV2", "StackPop"})
+WRITE_OPS = frozenset({"TensorArrayWriteV3", "TensorArrayScatterV3"})
+READ_OPS = frozenset({"TensorArrayReadV3", "TensorArrayGatherV3", "TensorArrayConcatV3"})
+COMPARISONS = {"Less": 0, "LessEqual": 1, "Greater": 0, "GreaterEqual": 1}  # counter < n: n trips
+PASS_THROUGH = frozenset({"Enter", "RefEnter", "Identity", "Switch", "Merge"})
+
+
+@dataclass(frozen=True)
+class Loop:
+    frame: str
+    trips: int | None  # iterations of one run of the loop; None: unknown (counted as 1)
+    how: str  # where the count comes from, or why it is unknown
+
+
+@dataclass(frozen=True)
+class Storage:
+    """Bytes a loop keeps across iterations: made by ``writer`` (a push or a TensorArray write),
+    held until the last of ``readers`` (pops, reads, gathers) has run, or to the end of the step."""
+
+    writer: int  # GraphView index
+    readers: tuple[int, ...]
+    num_bytes: int
+    kind: str  # "stack" or "tensor array"
+
+
+def trip_counts(view: GraphView) -> dict[str, Loop]:
+    """Per while-loop frame, its trip count (see the module docstring)."""
+    frames = sorted({f for f in view.frames if f})
+    if not frames:
+        return {}
+    conds: dict[str, int] = {}
+    for i in range(view.size):
+        if view.ops[i] == "LoopCond" and view.frames[i]:
+            conds.setdefault(view.frames[i], i)
+    evaluator = _Evaluator(view)
+    out: dict[str, Loop] = {}
+    for frame in frames:
+        cond = conds.get(frame)
+        if cond is None:
+            out[frame] = Loop(frame, None, "no LoopCond")
+            continue
+        trips, how = _bound(view, view.data_inputs[cond][0][0], frame, evaluator)
+        out[frame] = Loop(frame, trips, how)
+    # A gradient loop pops what a forward loop pushed: it runs as many iterations.
+    stacks = _stacks(view)
+    for pushes, pops in stacks.values():
+        known = [out[view.frames[p]] for p in pushes if out.get(view.frames[p]) and out[view.frames[p]].trips]
+        for p in pops:
+            frame = view.frames[p]
+            if known and frame and (frame not in out or out[frame].trips is None):
+                out[frame] = Loop(frame, known[0].trips, f"as many as {known[0].frame}, whose stacks it pops")
+    return out
+
+
+def storage(view: GraphView, loops: dict[str, Loop] | None = None) -> tuple[Storage, ...]:
+    """The stacks and TensorArrays of the graph's loops, sized by their trip counts (elements of
+    unknown size, or in loops of unknown count, are left out: one iteration is counted anyway)."""
+    loops = trip_counts(view) if loops is None else loops
+    found: list[Storage] = []
+    seen: set[tuple[int, int]] = set()  # values already kept: a buffer pushed twice is one buffer
+    for pushes, pops in _stacks(view).values():
+        popped = max((view.tensor_bytes(p, 0) for p in pops), default=0)  # when the pushed size is unknown
+        for push in pushes:
+            if not _new_buffer_each_iteration(view, push, 1, seen):
+                continue
+            size = _element_bytes(view, push, 1) or popped
+            trips = _total_trips(view, view.frames[push], loops)
+            if size and trips and trips > 1:
+                found.append(Storage(push, tuple(sorted(pops)), trips * size, "stack"))
+    for writes, reads in _arrays(view).values():
+        for write in writes:
+            if view.frames[write] and not _new_buffer_each_iteration(view, write, 2, seen):
+                continue
+            size = _element_bytes(view, write, 2)
+            if view.ops[write] == "TensorArrayScatterV3" and not view.frames[write]:
+                # A whole tensor split into the array's elements before a loop reads them one by one.
+                if size:
+                    found.append(Storage(write, tuple(sorted(reads)), size, "tensor array"))
+                continue
+            trips = _total_trips(view, view.frames[write], loops)
+            if size and trips and trips > 1 and view.ops[write] == "TensorArrayWriteV3":
+                found.append(Storage(write, tuple(sorted(reads)), trips * size, "tensor array"))
+    return tuple(sorted(found, key=lambda s: s.writer))
+
+
+def notes(view: GraphView, active, loops: dict[str, Loop]) -> tuple[str, ...]:
+    """What the analysis says about the loops a step runs."""
+    frames = sorted({view.frames[i] for i in active if view.frames[i]})
+    if not frames:
+        return ()
+    known = [loops[f] for f in frames if f in loops and loops[f].trips]
+    unknown = [f for f in frames if f not in loops or not loops[f].trips]
+    parts = []
+    if known:
+        parts.append("; ".join(f"{loop.frame}: {loop.trips} iterations ({loop.how})" for loop in known[:4])
+                     + ("; ..." if len(known) > 4 else ""))
+    line = (f"the step runs {len(frames)} while loop(s), each body counted once, with what it keeps across "
+            "iterations (gradient stacks, TensorArrays) times its trip count")
+    if parts:
+        line += ": " + parts[0]
+    out = [line]
+    if unknown:
+        out.append(f"{len(unknown)} loop(s) with a trip count lms cannot read ({', '.join(unknown[:3])}"
+                   f"{', ...' if len(unknown) > 3 else ''}): counted for one iteration, so what they keep is "
+                   "underestimated")
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------- internals
+def _total_trips(view: GraphView, frame: str, loops: dict[str, Loop]) -> int | None:
+    """Iterations of ``frame`` over one step: its trips times those of the loops around it."""
+    total = 1
+    while frame:
+        loop = loops.get(frame)
+        if loop is None or not loop.trips:
+            return None
+        total *= loop.trips
+        frame = view.frame_parent.get(frame, "")
+    return total
+
+
+def _source(view: GraphView, node: int) -> int:
+    """The node a handle or value comes from, through Enter/Identity/Switch/Merge."""
+    seen = set()
+    while view.ops[node] in PASS_THROUGH and view.data_inputs[node] and node not in seen:
+        seen.add(node)
+        node = view.data_inputs[node][0][0]
+    return node
+
+
+def _stacks(view: GraphView) -> dict[int, tuple[list[int], list[int]]]:
+    """Per stack (its StackV2 node), its pushes and pops."""
+    out: dict[int, tuple[list[int], list[int]]] = {}
+    for i in range(view.size):
+        op = view.ops[i]
+        if (op in PUSH_OPS or op in POP_OPS) and view.data_inputs[i]:
+            stack = _source(view, view.data_inputs[i][0][0])
+            pushes, pops = out.setdefault(stack, ([], []))
+            (pushes if op in PUSH_OPS else pops).append(i)
+    return out
+
+
+def _arrays(view: GraphView) -> dict[int, tuple[list[int], list[int]]]:
+    """Per TensorArray (its TensorArrayV3 node), the writes inside loops and the reads."""
+    out: dict[int, tuple[list[int], list[int]]] = {}
+    for i in range(view.size):
+        op = view.ops[i]
+        if (op in WRITE_OPS or op in READ_OPS) and view.data_inputs[i]:
+            array = _source(view, view.data_inputs[i][0][0])
+            writes, reads = out.setdefault(array, ([], []))
+            if op in WRITE_OPS and (view.frames[i] or op == "TensorArrayScatterV3"):
+                writes.append(i)
+            elif op in READ_OPS:
+                reads.append(i)
+    return out
+
+
+def _new_buffer_each_iteration(view: GraphView, node: int, port: int, seen: set) -> bool:
+    """Does the value ``node`` keeps (its input ``port``) take a new buffer each iteration, not yet
+    kept by another stack or array? Not so for a variable's read (the variable's own buffer, see
+    :data:`lmscli.memmodel.RESIDENT_READS`), a constant, or a value made outside the loop (the same
+    buffer every iteration); an Identity forwards its input's buffer."""
+    from lmscli.graphview import VARIABLE_OPS
+    from lmscli.memmodel import RESIDENT_READS
+
+    inputs = view.data_inputs[node]
+    if len(inputs) <= port:
+        return False
+    src, output = inputs[port]
+    frame = view.frames[node]
+    while view.ops[src] in ("Identity", "Enter", "RefEnter") and view.frames[src] == frame and view.data_inputs[src]:
+        src, output = view.data_inputs[src][0]
+    if view.frames[src] != frame or view.ops[src] in RESIDENT_READS or view.ops[src] in VARIABLE_OPS \
+            or view.ops[src] == "Const":
+        return False
+    if (src, output) in seen:
+        return False
+    seen.add((src, output))
+    return True
+
+
+def _element_bytes(view: GraphView, node: int, port: int) -> int:
+    inputs = view.data_inputs[node]
+    if len(inputs) <= port:
+        return 0
+    src, output = inputs[port]
+    return view.tensor_bytes(src, output)
+
+
+def _bound(view: GraphView, node: int, frame: str, evaluator) -> tuple[int | None, str]:
+    """The iterations a loop condition allows: the smallest bound of its comparisons."""
+    op = view.ops[node]
+    if op in ("LogicalAnd",):
+        found = [_bound(view, src, frame, evaluator) for src, _ in view.data_inputs[node]]
+        known = [f for f in found if f[0] is not None]
+        return min(known) if known else (None, found[0][1] if found else "empty condition")
+    if op in ("Identity",) and view.data_inputs[node]:
+        return _bound(view, view.data_inputs[node][0][0], frame, evaluator)
+    if op not in COMPARISONS or len(view.data_inputs[node]) != 2:
+        return None, f"a loop condition made by {op}"
+    (a, a_out), (b, b_out) = view.data_inputs[node]
+    if _varies(view, a, frame) and not _varies(view, b, frame):
+        counter_first, (limit, limit_out) = True, (b, b_out)
+    elif _varies(view, b, frame) and not _varies(view, a, frame):
+        counter_first, (limit, limit_out) = False, (a, a_out)
+    else:
+        return None, "a condition without one counter and one bound"
+    if counter_first != (op in ("Less", "LessEqual")):
+        return None, "a loop counting down"
+    value = evaluator.value(limit, limit_out, frame)
+    if value is None:
+        return None, f"a bound ({view.names[limit]}) lms cannot compute"
+    trips = int(value) + COMPARISONS[op]
+    return max(trips, 0), f"{op}(counter, {int(value)})"
+
+
+def _varies(view: GraphView, node: int, frame: str) -> bool:
+    """Does ``node`` depend on the loop's own Merge (a value that changes each iteration)?"""
+    stack, seen = [node], set()
+    while stack:
+        i = stack.pop()
+        if i in seen or view.frames[i] != frame:
+            continue
+        seen.add(i)
+        if view.ops[i] in ("Merge", "RefMerge"):
+            return True
+        stack.extend(src for src, _ in view.data_inputs[i])
+    return False
+
+
+class _Evaluator:
+    """Values of loop-invariant tensors: constants read from the graph, anything else computed by
+    TensorFlow from the placeholders' static shapes (zeros; None when that fails)."""
+
+    def __init__(self, view: GraphView):
+        self.view = view
+        self._session = None
+
+    def value(self, node: int, output: int, frame: str):
+        view = self.view
+        while view.frames[node] == frame and view.ops[node] in ("Enter", "RefEnter", "Identity"):
+            node, output = view.data_inputs[node][0]
+        if view.ops[node] == "Const":  # (a constant made inside the loop is invariant too)
+            return self._const(node)
+        if view.frames[node] == frame:
+            return None
+        if view.frames[node]:
+            return None  # computed in an outer loop: it may change per outer iteration
+        return self._run(node, output)
+
+    def _const(self, node: int):
+        from lmscli.tfimport import tensorflow
+
+        tf = tensorflow()
+        try:
+            value = tf.make_ndarray(self.view.node_defs[node].attr["value"].tensor)
+        except Exception:
+            return None
+        return value.item() if value.size == 1 else None
+
+    def _run(self, node: int, output: int):
+        import numpy as np
+
+        from lmscli.tfimport import tensorflow
+
+        tf = tensorflow()
+        view = self.view
+        needed = view.ancestors([node])
+        if any(view.frames[i] for i in needed):
+            return None
+        try:
+            from tensorflow.core.framework import graph_pb2
+
+            graph_def = graph_pb2.GraphDef()
+            graph_def.node.extend(view.node_defs[i] for i in sorted(needed))
+            graph_def.library.function.extend(view.library)
+            graph = tf.Graph()
+            with graph.as_default():
+                tf.compat.v1.import_graph_def(graph_def, name="")
+            feeds = {}
+            for op in graph.get_operations():
+                if op.type in ("Placeholder", "PlaceholderV2"):
+                    t = op.outputs[0]
+                    if t.shape.rank is None:
+                        return None
+                    feeds[t] = np.zeros([d if d is not None else 1 for d in t.shape.as_list()],
+                                        dtype=t.dtype.as_numpy_dtype)
+            with tf.compat.v1.Session(graph=graph) as session:
+                value = session.run(f"{view.names[node]}:{output}", feed_dict=feeds)
+        except Exception:
+            return None
+        value = np.asarray(value)
+        return value.item() if value.size == 1 and np.issubdtype(value.dtype, np.number) else None
