@@ -233,12 +233,34 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
         for before, after in zip(chain, chain[1:]):
             add_control(after, before)
     try:
-        GraphView(graph)
+        after = GraphView(graph)
     except GraphError as exc:
         raise GraphError(f"the rewritten graph is invalid: {exc}") from None
+    if any(after.frames) or any(after.cond_depth):
+        _check_branches(view if view is not None else GraphView(meta_graph.graph_def), after)
     report = RewriteReport(len(plan.swaps), n_in, out_bytes, in_bytes, control_edges, tuple(added), n_re, re_bytes,
                            n_clones)
     return out, report
+
+
+def _check_branches(before: GraphView, after: GraphView) -> None:
+    """Every op of the graph runs in the same v1 cond branches and while-loop frame as before: a
+    control edge from an op that may not run (it sits in a branch the step does not take) would
+    silently stop its target, and one across a loop frame fails at run time::
+
+        pred -> Switch -:1-> A (true branch)     A - - -> X (outside the cond): X now runs only
+                                                 when pred is true -- refused
+    """
+    tags_before, tags_after = before.branch_tags(), after.branch_tags()
+    for i, name in enumerate(before.names):
+        k = after.index.get(name)
+        if k is None:
+            continue
+        if tags_after[k] != tags_before[i]:
+            raise PlanError(f"the plan adds a control edge that would make {name!r} run in other cond branches "
+                            "than it does (from an op in a branch to one outside it, or in another branch)")
+        if after.frames[k] != before.frames[i]:
+            raise PlanError(f"the plan moves {name!r} into another while-loop frame")
 
 
 def _rewire(nodes: dict, consumers, refs: set, new: str, tensor: str) -> None:

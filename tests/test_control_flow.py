@@ -166,3 +166,23 @@ def test_a_recurrent_nets_real_need_is_predicted_with_its_stacks(tmp_path):
     need = measure_need([model], runs=1)[0]
     ratio = need.prediction.predicted_standin_bytes / need.min_limit_bytes
     assert 0.7 <= ratio <= 1.2, (need.prediction, need.min_limit_bytes)
+
+
+def test_a_plan_triggering_from_a_branch_for_an_op_outside_it_is_refused(cond_branch):
+    """A hand-edited plan whose swap-in, read after the cond, waits for an op inside a branch."""
+    from dataclasses import replace
+
+    from lmscli.errors import PlanError
+
+    _model, prepared = cond_branch
+    result = api.tune(prepared, api.make_device(gpu_mem=int(0.65 * api.analyze(prepared).peak_bytes), reserve=0.0))
+    view = prepared.view
+    tags = view.branch_tags()
+    inside = next(name for name in prepared.schedule.names if tags[view.index[name]])
+    swaps = list(result.plan.swaps)
+    k = next(k for k, s in enumerate(swaps)
+             if not any(tags[view.index[c]] for g in s.swap_ins for c in g.consumers))
+    groups = tuple(replace(g, trigger=inside) for g in swaps[k].swap_ins)
+    swaps[k] = replace(swaps[k], swap_ins=groups)
+    with pytest.raises(PlanError, match="cond branches"):
+        api.rewrite(prepared, replace(result.plan, swaps=tuple(swaps)))
