@@ -290,6 +290,7 @@ class Analysis:
     grappler_model_peak_bytes: int | None = None  # the same schedule counted as Grappler's estimate counts it
     peak_in_branches: int = 0  # bytes live at the peak made inside v1 cond branches (lms swaps there)
     peak_in_loops: int = 0  # bytes live at the peak made inside v1 while loops (stacks and arrays included; not swapped)
+    peak_from_calls: int = 0  # bytes live at the peak returned by function calls (their bodies are not counted)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -549,13 +550,18 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
         t = schedule.tensors[tid]
         label = schedule.label(tid) + (" (swap-in)" if kind == "swapin" else "")
         top.append(OpInfo(label, schedule.ops[t.producer], size))
-    in_branches = in_loops = 0
+    from lmscli.grappler import call_ops
+
+    callers = call_ops(view.library)
+    in_branches = in_loops = from_calls = 0
     for _kind, tid, size in result.live_at_peak:
         node = schedule.nodes[schedule.tensors[tid].producer]
         if view.in_loop(node):
             in_loops += size
         elif view.conditional(node):
             in_branches += size
+        if view.ops[node] in callers:
+            from_calls += size
     loops = {view.frames[i] for i in range(view.size) if view.frames[i]}
     conds = sum(1 for i in range(view.size) if view.ops[i] in ("Switch", "RefSwitch") and not view.frames[i])
     return Analysis(
@@ -586,6 +592,7 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
         conds=conds,
         peak_in_branches=in_branches,
         peak_in_loops=in_loops,
+        peak_from_calls=from_calls,
         swappable_tensors=len(cands),
         swappable_bytes=sum(schedule.tensors[t].num_bytes for t in cands),
         unknown_tensors=len(unknown),

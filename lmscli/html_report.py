@@ -115,7 +115,8 @@ def _analysis(doc: dict, svg: str | None) -> str:
         ("swappable tensors", f"{doc['swappable_tensors']:,} ({_size(doc['swappable_bytes'])})"),
         ("control flow", f"{doc.get('while_loops', 0)} while loop(s), {doc.get('conds', 0)} cond switch(es); at the "
                          f"peak {_size(doc.get('peak_in_branches', 0))} made in cond branches, "
-                         f"{_size(doc.get('peak_in_loops', 0))} in while loops"),
+                         f"{_size(doc.get('peak_in_loops', 0))} in while loops, "
+                         f"{_size(doc.get('peak_from_calls', 0))} returned by function calls"),
         ("tensors of unknown size", f"{doc.get('unknown_tensors', 0)}"),
     ]
     parts = [_notes(doc.get("notes", ())), "<h2>Graph</h2>", _kv(rows),

@@ -112,8 +112,10 @@ def render_analysis(console: Console, a, baseline=None) -> None:
     t.add_row("swappable tensors", f"{a.swappable_tensors:,} ({format_size(a.swappable_bytes)})")
     if a.while_loops or a.conds:
         t.add_row("control flow", f"{a.while_loops} while loop(s), {a.conds} cond switch(es)")
+    if a.while_loops or a.conds or a.peak_from_calls:
         t.add_row("at the peak", f"{format_size(a.peak_in_branches)} made in cond branches (swapped there), "
-                  f"{format_size(a.peak_in_loops)} in while loops (not swapped)")
+                  f"{format_size(a.peak_in_loops)} in while loops (not swapped), "
+                  f"{format_size(a.peak_from_calls)} returned by function calls (their bodies not counted)")
     if a.unknown_tensors:
         t.add_row("unknown sizes", f"[yellow]{a.unknown_tensors} tensor(s) with unknown shape (counted as 0 bytes)[/]")
     console.print(t)
