@@ -5,7 +5,7 @@ import math
 import pytest
 
 from lmscli import analysis, grappler, loader
-from lmscli.schedule import Schedule, SimTensor
+from lmscli.schedule import STORAGE_OUTPUT, Schedule, SimTensor
 from lmscli.simulator import SimSwap, SwapIn, simulate
 from tests.conftest import TRAINING_SAMPLES
 
@@ -108,12 +108,17 @@ def test_peak_within_ten_percent_of_grappler(samples, name):
     theirs = grappler.estimate_peak(meta, model.fetches).gpu_peak_bytes + prepared.schedule.variable_bytes
     if abs(ours - theirs) > 0.10 * theirs:
         # Only allowed when the gap is Grappler sizing tensors differently (e.g. it cannot see
-        # through StackPopV2 in v1 loops and counts 4 bytes): with its sizes we must agree.
+        # through StackPopV2 in v1 loops and counts 4 bytes), or what a v1 loop keeps across its
+        # iterations (stack pushes, TensorArray writes: Grappler runs a loop body once and has no
+        # such tensor): with its sizes, and without those, we must agree.
         sizes = grappler.tensor_sizes(meta, model.fetches)
         sched = prepared.schedule
         disagreement = 0
         for _kind, tid, size in result.live_at_peak:
             t = sched.tensors[tid]
+            if t.output == STORAGE_OUTPUT:
+                disagreement += size
+                continue
             disagreement += size - sizes.get((sched.names[t.producer], t.output), size)
         assert disagreement > 0
         assert abs(ours - disagreement - theirs) <= 0.10 * theirs, (ours, disagreement, theirs)
