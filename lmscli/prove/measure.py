@@ -218,7 +218,7 @@ def measure_peak(meta_graph, fetches, batch_size: int = 1, order=None, warmup: i
         with tf.compat.v1.Session(graph=g.graph, config=steps.session_config(optimize)) as sess:
             before = []  # what ran before the measured step: initializer, warm-up steps
             before.append(tf.compat.v1.RunMetadata())
-            sess.run(g.init, options=options, run_metadata=before[-1])
+            sess.run(g.init, feed_dict=g.init_feed, options=options, run_metadata=before[-1])
             feed = steps.feeds(g.placeholders, batch_size, 0)
             for _ in range(warmup):
                 before.append(tf.compat.v1.RunMetadata())

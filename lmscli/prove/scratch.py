@@ -79,7 +79,7 @@ def _main(argv) -> int:
     g = steps.import_graph(placed, fetches)
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
     with tf.compat.v1.Session(graph=g.graph, config=steps.session_config(True)) as sess:
-        sess.run(g.init)
+        sess.run(g.init, feed_dict=g.init_feed)
         feed = steps.feeds(g.placeholders, batch, 0)
         sess.run(g.targets, feed_dict=feed)  # first-run allocations aside
         step = tf.compat.v1.RunMetadata()

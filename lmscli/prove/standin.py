@@ -57,7 +57,9 @@ from lmscli.errors import InputError, LmsError
 from lmscli.prove._server import FIRST_REGION, is_child, kill_child
 from lmscli.tfimport import tensorflow
 from lmscli.prove.steps import (GPU_COPY_OPS, StepRun, _check_cpu_kernels, compare, default_loss, failed_run, feeds,
-                           import_graph, map_gpu_ops)
+                                import_graph, map_gpu_ops)
+from lmscli.prove.steps import error_line as _error_line
+from lmscli.prove.steps import oom_node as _oom_node
 
 MIB = 1 << 20
 STANDIN_JOB, HOST_JOB = "gpu", "host"
@@ -359,26 +361,8 @@ def _prepare(meta_graph, fetches, loss: str | None) -> _Prepared:
     return _Prepared(imported, produced, {})
 
 
-_BOILERPLATE = ("Graph execution error", "Detected at node", "Node:", "From /job:", "[[", "Original stack trace", "File ")
-
-
-def _error_line(exc: Exception) -> str:
-    """TensorFlow's own reason from a (remote) error's text, with the op it names."""
-    text = str(exc)
-    lines = [re.sub(r"^[A-Z_]+: ", "", line.strip()) for line in text.splitlines()]  # INVALID_ARGUMENT: ...
-    reason = next((line for line in lines if any(c.isalnum() for c in line) and not line.startswith(_BOILERPLATE)),
-                  type(exc).__name__)
-    node = _oom_node(text)
-    return f"{reason} (op {node})" if node and node not in reason else reason
-
-
 def _mib(num_bytes: int | None) -> str:
     return "no limit" if num_bytes is None else f"{num_bytes / MIB:,.0f} MiB"
-
-
-def _oom_node(text: str) -> str | None:
-    match = re.search(r"requested by op (\S+)", text) or re.search(r"\{\{node ([^}]+)\}\}", text)
-    return match.group(1) if match else None
 
 
 def _oom_message(text: str, phase: str, limit_bytes: int | None, node: str | None) -> str:
@@ -523,7 +507,7 @@ class StandIn:
         phase = "initialising variables"
         try:
             with self._session(pair, g.graph) as sess:
-                sess.run(g.init, options=options)
+                sess.run(g.init, feed_dict=g.init_feed, options=options)
             phase = "running the step"
             losses, outputs = [], []
             with self._session(pair, g.graph) as sess:
@@ -537,7 +521,7 @@ class StandIn:
                     if prep.produced:
                         outputs.append({t.name: np.asarray(v) for t, v in zip(prep.produced, out["outputs"])})
                 phase = "reading the variables"
-                values = dict(zip((v.name for v in g.variables), sess.run(g.variables, options=options)))
+                values = dict(zip(g.variable_names, sess.run(g.variables, options=options)))
         except tf.errors.OpError as exc:
             raise _RunFailed(exc, phase) from None
         placements = {op.name: op.device for op in g.graph.get_operations() if op.name.startswith("lms/")}

@@ -10,6 +10,7 @@ identity proof (:mod:`lmscli.prove.verify`), the in-process measurement
 
 from __future__ import annotations
 
+import re
 import zlib
 from dataclasses import dataclass
 
@@ -194,8 +195,8 @@ def feeds(placeholders, batch_size: int, step: int) -> dict:
     feed = {}
     for op in placeholders:
         t = op.outputs[0]
-        if t.shape.rank is None:
-            continue
+        if t.shape.rank is None or not t.dtype.is_numpy_compatible or t.dtype.name == "string":
+            continue  # (a SavedModel's checkpoint path, for one, is no input of the step)
         feed[t] = _feed_value(op.name, t.shape.as_list(), t.dtype, batch_size, step)
     return feed
 
@@ -206,10 +207,48 @@ class Imported:
 
     graph: object
     init: object
-    variables: list
+    variables: list  # tf.Variables, and value tensors of the variables no collection names
     targets: list
     loss: object
     placeholders: list
+    init_feed: dict = None  # values for the variables without an initializer (fed to ``init``)
+    variable_names: tuple = ()  # per entry of ``variables``: the variable's name ("w:0")
+
+
+INIT_SCOPE = "lms_verify"  # the ops import_graph adds to give such variables values
+
+
+def _bare_variables(tf, graph, known) -> list:
+    """Resource variables (``VarHandleOp``) no variable collection names, e.g. a TensorFlow 2
+    SavedModel's, whose values live in its checkpoint: ``(name, assign op, value placeholder,
+    value tensor)``, each op on the variable's device."""
+    out = []
+    for op in graph.get_operations():
+        if op.type != "VarHandleOp" or op.name in known:
+            continue
+        shape = tf.TensorShape(op.get_attr("shape"))
+        dtype = tf.as_dtype(op.get_attr("dtype"))
+        if not shape.is_fully_defined() or not dtype.is_numpy_compatible:
+            continue
+        with graph.device(op.device), graph.name_scope(f"{INIT_SCOPE}/{op.name}/"):
+            value = tf.compat.v1.placeholder(dtype, shape, name="value")
+            assign = tf.raw_ops.AssignVariableOp(resource=op.outputs[0], value=value)
+            read = tf.raw_ops.ReadVariableOp(resource=op.outputs[0], dtype=dtype, name="read")
+        out.append((op.name + ":0", assign, value, read))
+    return out
+
+
+def start_value(name: str, shape, dtype) -> np.ndarray:
+    """The same values for a variable name in every graph: uniform in +-1/sqrt(fan-in) (positive
+    for a batch norm's variance), zero for integers."""
+    if dtype.is_integer or dtype.is_bool:
+        return np.zeros(shape, dtype=dtype.as_numpy_dtype)
+    rng = np.random.default_rng(zlib.crc32(f"variable/{name}".encode()))
+    fan_in = int(np.prod(shape[:-1])) if len(shape) >= 2 else 100
+    values = rng.uniform(-1.0, 1.0, size=shape) / np.sqrt(max(fan_in, 1))
+    if "variance" in name.lower():
+        values = np.abs(values) + 1e-3
+    return values.astype(dtype.as_numpy_dtype)
 
 
 def import_graph(meta, fetches, loss: str | None = None) -> Imported:
@@ -218,8 +257,13 @@ def import_graph(meta, fetches, loss: str | None = None) -> Imported:
     with graph.as_default():
         tf.compat.v1.set_random_seed(0)
         tf.compat.v1.train.import_meta_graph(meta, clear_devices=False)
-        init = tf.compat.v1.global_variables_initializer()
         variables = sorted(tf.compat.v1.global_variables(), key=lambda v: v.name)
+        known = {v.op.name for v in variables} | {getattr(v, "handle", v).op.name for v in variables}
+        bare = _bare_variables(tf, graph, known)
+        init = tf.group(tf.compat.v1.global_variables_initializer(), *(assign for _, assign, _, _ in bare))
+        init_feed = {value: start_value(name, value.shape.as_list(), value.dtype) for name, _, value, _ in bare}
+        names = tuple(v.name for v in variables) + tuple(name for name, _, _, _ in bare)
+        variables = variables + [read for _, _, _, read in bare]
         try:
             targets = [graph.get_operation_by_name(f) for f in fetches]
         except (KeyError, ValueError) as exc:
@@ -230,13 +274,31 @@ def import_graph(meta, fetches, loss: str | None = None) -> Imported:
                 loss_tensor = graph.get_tensor_by_name(loss)
             except (KeyError, ValueError):
                 loss_tensor = None
-        placeholders = [op for op in graph.get_operations() if op.type == "Placeholder"]
-    return Imported(graph, init, variables, targets, loss_tensor, placeholders)
+        placeholders = [op for op in graph.get_operations()
+                        if op.type == "Placeholder" and not op.name.startswith(INIT_SCOPE + "/")]
+    return Imported(graph, init, variables, targets, loss_tensor, placeholders, init_feed, names)
+
+
+BOILERPLATE = ("Graph execution error", "Detected at node", "Node:", "From /job:", "[[", "Original stack trace", "File ")
+
+
+def error_line(exc: Exception) -> str:
+    """TensorFlow's own reason from a (remote) error's text, with the op it names."""
+    text = str(exc)
+    lines = [re.sub(r"^[A-Z_]+: ", "", line.strip()) for line in text.splitlines()]  # INVALID_ARGUMENT: ...
+    reason = next((line for line in lines if any(c.isalnum() for c in line) and not line.startswith(BOILERPLATE)),
+                  type(exc).__name__)
+    node = oom_node(text)
+    return f"{reason} (op {node})" if node and node not in reason else reason
+
+
+def oom_node(text: str) -> str | None:
+    match = re.search(r"requested by op (\S+)", text) or re.search(r"\{\{node ([^}]+)\}\}", text)
+    return match.group(1) if match else None
 
 
 def failed_run(exc: Exception) -> LmsError:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return LmsError(f"the graph failed to run on CPU: {text}")
+    return LmsError(f"the graph failed to run on CPU: {error_line(exc)}")
 
 
 def run_steps(meta_graph, fetches, steps: int = 1, batch_size: int = 2, loss: str | None = "loss:0",
@@ -250,7 +312,7 @@ def run_steps(meta_graph, fetches, steps: int = 1, batch_size: int = 2, loss: st
         meta = place_on_cpu(meta_graph, copies=copies).meta_graph
         g = import_graph(meta, fetches, loss)
         with tf.compat.v1.Session(graph=g.graph, config=session_config(optimize)) as sess:
-            sess.run(g.init)
+            sess.run(g.init, feed_dict=g.init_feed)
             losses, outputs = [], []
             # A graph without variables (a frozen inference graph) changes no state: what it
             # computes is what its fetched ops output, so those are compared.
@@ -264,7 +326,7 @@ def run_steps(meta_graph, fetches, steps: int = 1, batch_size: int = 2, loss: st
                     losses.append(np.asarray(out["loss"]))
                 if produced:
                     outputs.append({t.name: np.asarray(v) for t, v in zip(produced, out["outputs"])})
-            values = dict(zip((v.name for v in g.variables), sess.run(g.variables)))
+            values = dict(zip(g.variable_names, sess.run(g.variables)))
         placements = {op.name: op.device for op in g.graph.get_operations() if op.name.startswith("lms/")}
     except LmsError:
         raise
@@ -326,11 +388,16 @@ def first_difference(a: StepRun, b: StepRun) -> str | None:
 
 
 def default_loss(meta_graph) -> str | None:
-    """``loss:0`` if the graph has it, else the first tensor of the ``losses`` collection."""
+    """``loss:0`` if the graph has it, else the first tensor of the ``losses`` collection, else a
+    signature's ``loss`` output."""
     names = {node.name for node in meta_graph.graph_def.node}
     if "loss" in names:
         return "loss:0"
     collection = meta_graph.collection_def.get("losses") if "losses" in meta_graph.collection_def else None
     if collection is not None and collection.node_list.value:
         return collection.node_list.value[0]
+    for key in sorted(meta_graph.signature_def):  # a TensorFlow 2 training signature's "loss" output
+        outputs = meta_graph.signature_def[key].outputs
+        if "loss" in outputs and outputs["loss"].name.partition(":")[0] in names:
+            return outputs["loss"].name
     return None
