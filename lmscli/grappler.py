@@ -68,9 +68,16 @@ def placed_metagraph(meta_graph, fetches):
     virtual = {key: _virtual_gpu(k) for k, key in enumerate(gpus)}
     for node, key in zip(meta.graph_def.node, keys):
         node.device = CPU if key is None else virtual[key]
+    _only(meta, fetches)
+    return meta, tuple(gpus)
+
+
+def _only(meta, fetches) -> None:
+    """Grappler's item fetches ``fetches`` alone: its ``train_op`` collection, and no saver (a
+    SavedModel's save and restore ops would be fetched too, and be missing from a pruned graph)."""
     meta.collection_def["train_op"].Clear()
     meta.collection_def["train_op"].node_list.value.extend(fetches)
-    return meta, tuple(gpus)
+    meta.ClearField("saver_def")
 
 
 @timed("Grappler's estimate")
@@ -169,8 +176,7 @@ def optimize(meta_graph, fetches):
 
     meta = type(meta_graph)()
     meta.CopyFrom(meta_graph)
-    meta.collection_def["train_op"].Clear()
-    meta.collection_def["train_op"].node_list.value.extend(fetches)
+    _only(meta, fetches)
     try:
         return tf_optimizer.OptimizeGraph(config_pb2.ConfigProto(), meta)
     except Exception:
