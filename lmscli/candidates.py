@@ -31,6 +31,14 @@ NEVER_SWAP_PRODUCERS = frozenset(
     {"Const", "HostConst", "Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs"}
 ) | VARIABLE_OPS | CONTROL_FLOW_OPS
 
+# An Identity's output is its input's value: when Grappler removes one, its consumers read that
+# input instead, so its output still exists (unlike an op fused into a kernel) and may be swapped.
+# That is allowed for the Identities lms's inlining makes (lmscli.inline.BOUNDARY_ATTR): a
+# TensorFlow 2 backward function reads every activation it needs through them, so without them
+# nothing crossing a function boundary could be swapped. (Allowing every removed Identity changed
+# plans on v1 graphs, e.g. recompute-only plans that no longer fit; not needed there.)
+ALIAS_OPS = frozenset({"Identity"})
+
 # The ops of a v1 cond (outside while loops) make ordinary tensors: a Switch output is its input
 # inside one branch (dead in the other), a Merge output the branch's result after the cond.
 COND_PRODUCERS = frozenset({"Switch", "Merge"})
@@ -155,7 +163,8 @@ def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters()
                untaken: frozenset = frozenset()) -> dict[int, Candidate]:
     """Candidate tensors of ``schedule`` keyed by tensor id (see the module docstring). Nodes in
     ``fused`` (removed by Grappler's optimizations) neither produce swapped tensors (except an
-    activation folded into its producer's kernel, see :func:`absorbed`) nor read swap-ins;
+    activation folded into its producer's kernel, see :func:`absorbed`, and an inlined call's
+    argument or result, see :data:`ALIAS_OPS`) nor read swap-ins;
     tensors named in ``forbidden`` (``"node:output"``, e.g. found by the optimizer guard) are
     never swapped, nor tensors read by a node in ``untaken`` (the cond branch the schedule leaves
     out: if it is the one that runs, it must find the tensor on the GPU)."""
@@ -171,7 +180,8 @@ def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters()
             continue
         if op in NEVER_SWAP_PRODUCERS and op not in COND_PRODUCERS:
             continue
-        if view.names[node] in fused and not absorbed(view, node, fused) and op not in COND_PRODUCERS:
+        if (view.names[node] in fused and not absorbed(view, node, fused) and op not in COND_PRODUCERS
+                and not boundary(view, node)):
             continue  # (a cond's Switch Grappler removes is a duplicate: its twin forwards the same tensor)
         if forbidden and f"{view.names[node]}:{t.output}" in forbidden:
             continue
@@ -198,6 +208,13 @@ def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters()
         if rewirable:
             out[t.id] = Candidate(t.id, tuple(rewirable), tuple(pinned), shared.get(t.id, ()))
     return out
+
+
+def boundary(view: GraphView, node: int) -> bool:
+    """Is ``node`` an Identity lms's inlining made for a call's argument or result?"""
+    from lmscli.inline import BOUNDARY_ATTR
+
+    return view.ops[node] in ALIAS_OPS and BOUNDARY_ATTR in view.node_defs[node].attr
 
 
 SUM_OPS = frozenset({"AddN", "AccumulateNV2"})

@@ -30,10 +30,11 @@ class Model:
     format: str
     meta_graph: object  # tensorflow.core.protobuf.meta_graph_pb2.MetaGraphDef
     fetches: tuple[str, ...] = ()
-    fetch_source: str = ""  # "option", "train_op" or "sinks"
+    fetch_source: str = ""  # "option", "train_op", "signature <key>" or "sinks"
     notes: list[str] = field(default_factory=list)
     saved_model_tag: str | None = None
     structure: object = field(default=None, repr=False, compare=False)  # GraphView without tensor facts
+    calls: dict = field(default_factory=dict, repr=False)  # inlined call output -> the call ("c/output_0:0" -> "c")
 
     @property
     def graph_def(self):
@@ -233,9 +234,55 @@ def load(path: str, fmt: str | None = None, fetch: list[str] | None = None, tag:
     if not _plausible_graph(meta.graph_def):
         raise InputError(f"{path}: the graph has no nodes")
     model = Model(path=path, format=kind, meta_graph=meta, saved_model_tag=saved_tag)
+    _inline_calls(model)
     model.structure = _check_structure(model)
     _choose_fetches(model, fetch)
+    _lower_control_flow(model)
     return model
+
+
+def _inline_calls(model: Model) -> None:
+    """Calls into the function library become their bodies (:mod:`lmscli.inline`), with a note;
+    the checkpoint's save and restore functions stay calls (no step runs them)."""
+    from lmscli import inline
+
+    saver = model.meta_graph.saver_def if model.meta_graph.HasField("saver_def") else None
+    keep = frozenset(_node_of(n) for n in (saver.save_tensor_name, saver.restore_op_name) if n) if saver else frozenset()
+    if not inline.has_calls(model.graph_def, keep):
+        return
+    done = inline.inline_calls(model.graph_def, keep)
+    model.meta_graph.graph_def.CopyFrom(done.graph_def)
+    for signature in model.meta_graph.signature_def.values():  # outputs of calls: their new names
+        for info in signature.outputs.values():
+            name = info.name if ":" in info.name else info.name + ":0"
+            info.name = done.renamed.get(name, info.name)
+    model.calls = {new: old.rpartition(":")[0] for old, new in done.renamed.items()}
+    if done.calls:
+        model.notes.append(f"{len(done.calls)} function call(s) inlined ({done.nodes} ops from their bodies), "
+                           "as TensorFlow's runtime inlines them: their tensors are counted and can be swapped; "
+                           "the rewritten graph keeps them inlined")
+    for call, why in done.left:
+        model.notes.append(f"function call {call} left as a call ({why}): the tensors inside it are not counted")
+
+
+def _lower_control_flow(model: Model) -> None:
+    """Functional If/While/Case the step runs become v1 control flow (:func:`lmscli.inline.lower_control_flow`)."""
+    from lmscli import inline
+
+    if not any(n.op in inline.FUNCTIONAL_OPS for n in model.graph_def.node):
+        return
+    try:
+        done = inline.lower_control_flow(model.graph_def, model.fetches)
+    except inline.CannotInline as exc:
+        model.notes.append(f"functional control flow left as it is ({exc}): the tensors inside its branches "
+                           "and loop bodies are not counted")
+        return
+    if done.lowered:
+        model.meta_graph.graph_def.CopyFrom(done.graph_def)
+        model.structure = _check_structure(model)
+        model.notes.append(f"{len(done.lowered)} functional If/While/Case op(s) lowered to Switch/Merge and "
+                           "Enter/Exit, as TensorFlow's runtime lowers them: the tensors of their branches and "
+                           "loop bodies are counted (and, in branches, swapped)")
 
 
 def _check_structure(model: Model):
@@ -262,6 +309,11 @@ def _choose_fetches(model: Model, fetch: list[str] | None) -> None:
     if train:
         model.fetches, model.fetch_source = tuple(dict.fromkeys(train)), "train_op"
         return
+    signature = _signature_fetches(model.meta_graph, names, model.calls)
+    if signature:
+        key, wanted = signature
+        model.fetches, model.fetch_source = wanted, f"signature {key}"
+        return
     view = model.structure
     skip = {"NoOp", "Assert", "SaveV2", "RestoreV2", "Const", "Placeholder"}
     sinks = [view.names[i] for i in view.sinks() if view.ops[i] not in skip]
@@ -271,6 +323,32 @@ def _choose_fetches(model: Model, fetch: list[str] | None) -> None:
         f"no train_op collection and no --fetch: fetching the graph's {len(sinks)} sink(s)"
         + (f" ({', '.join(sinks[:3])}{', ...' if len(sinks) > 3 else ''})" if sinks else "")
     )
+
+
+def _signature_fetches(meta, names: set[str], calls: dict) -> tuple[str, tuple[str, ...]] | None:
+    """The outputs of the graph's training signature (a TensorFlow 2 SavedModel has no train_op
+    collection: its step is a signature): the one whose key says "train", else the only one. An
+    output of an inlined call is fetched as the call (which waits for the function's updates)."""
+    signatures = {k: v for k, v in meta.signature_def.items() if not k.startswith("__saved_model")}
+    keys = [k for k in sorted(signatures) if "train" in k.lower()] or sorted(signatures)
+    if len(keys) != 1:
+        return None
+    tensors = [t.name if ":" in t.name else t.name + ":0" for _, t in sorted(signatures[keys[0]].outputs.items())]
+    wanted = tuple(dict.fromkeys(calls.get(t) or _inlined_call(meta.graph_def, _node_of(t)) or _node_of(t)
+                                 for t in tensors))
+    return (keys[0], wanted) if wanted and all(w in names for w in wanted) else None
+
+
+def _inlined_call(graph_def, node: str) -> str | None:
+    """The call an output of lms's inlining stands for, in a graph read back after a rewrite:
+    ``c/output_k`` read by a ``NoOp`` named ``c`` (see :mod:`lmscli.inline`)."""
+    call, sep, tail = node.rpartition("/output_")
+    if not sep or not tail.isdigit():
+        return None
+    for n in graph_def.node:
+        if n.name == call:
+            return call if n.op == "NoOp" and f"^{node}" in n.input else None
+    return None
 
 
 def serialize(model_or_meta, fmt: str, tag: str | None = None) -> bytes:

@@ -5,7 +5,9 @@ two things grow with the number of iterations and outlive the loop:
 
 * **gradient stacks**: the gradient of a loop saves each iteration's forward values with a
   ``StackPushV2`` in the forward loop and takes them back with a ``StackPopV2`` in the gradient
-  loop; a stack holds ``trips x`` the pushed tensor from its pushes to its pops;
+  loop; a stack holds ``trips x`` the pushed tensor from its pushes to its pops. A TensorFlow 2
+  loop (a ``While`` lowered by lms, see :mod:`lmscli.inline`) does the same with TensorList
+  accumulators (``TensorListPushBack``, ``TensorListPopBack``);
 * **TensorArrays**: a ``TensorArrayWriteV3`` in a loop stores one element per iteration until the
   array is read, gathered or concatenated after it (``dynamic_rnn``'s outputs); a
   ``TensorArrayScatterV3`` before a loop stores a whole tensor, split, until the loop has read it
@@ -14,7 +16,9 @@ two things grow with the number of iterations and outlive the loop:
 :func:`storage` finds both and sizes them with the loop's trip count, which :func:`trip_counts`
 reads from the loop condition: ``Less(i, n)`` (or a ``LogicalAnd`` of such tests, as
 ``maximum_iterations`` makes) with ``n`` computed outside the loop, from a constant or, failing
-that, by running the few ops it depends on (shapes of the placeholders, known statically). A
+that, by running the few ops it depends on (shapes of the placeholders, known statically). In a
+TensorFlow 2 loop ``n`` is itself a loop variable the body passes on unchanged: its value is the
+one it enters the loop with. A
 gradient loop runs as many iterations as the loop whose stacks it pops. A loop whose count cannot
 be read is left at one iteration, and :func:`notes` says so::
 
@@ -30,8 +34,8 @@ from dataclasses import dataclass
 
 from lmscli.graphview import GraphView
 
-PUSH_OPS = frozenset({"StackPushV2", "StackPush"})
-POP_OPS = frozenset({"StackPopV2", "StackPop"})
+PUSH_OPS = frozenset({"StackPushV2", "StackPush", "TensorListPushBack"})
+POP_OPS = frozenset({"StackPopV2", "StackPop", "TensorListPopBack"})
 WRITE_OPS = frozenset({"TensorArrayWriteV3", "TensorArrayScatterV3"})
 READ_OPS = frozenset({"TensorArrayReadV3", "TensorArrayGatherV3", "TensorArrayConcatV3"})
 COMPARISONS = {"Less": 0, "LessEqual": 1, "Greater": 0, "GreaterEqual": 1}  # counter < n: n trips
@@ -94,15 +98,16 @@ def storage(view: GraphView, loops: dict[str, Loop] | None = None) -> tuple[Stor
     for pushes, pops in _stacks(view).values():
         popped = max((view.tensor_bytes(p, 0) for p in pops), default=0)  # when the pushed size is unknown
         for push in pushes:
-            if not _new_buffer_each_iteration(view, push, 1, seen):
+            value = _new_buffer_each_iteration(view, push, 1, seen)
+            if value is None:
                 continue
-            size = _element_bytes(view, push, 1) or popped
+            size = _element_bytes(view, push, 1) or view.tensor_bytes(*value) or popped
             trips = _total_trips(view, view.frames[push], loops)
             if size and trips and trips > 1:
                 found.append(Storage(push, tuple(sorted(pops)), trips * size, "stack"))
     for writes, reads in _arrays(view).values():
         for write in writes:
-            if view.frames[write] and not _new_buffer_each_iteration(view, write, 2, seen):
+            if view.frames[write] and _new_buffer_each_iteration(view, write, 2, seen) is None:
                 continue
             size = _element_bytes(view, write, 2)
             if view.ops[write] == "TensorArrayScatterV3" and not view.frames[write]:
@@ -152,22 +157,24 @@ def _total_trips(view: GraphView, frame: str, loops: dict[str, Loop]) -> int | N
     return total
 
 
-def _source(view: GraphView, node: int) -> int:
-    """The node a handle or value comes from, through Enter/Identity/Switch/Merge."""
+def _source(view: GraphView, node: int, through_exit: bool = False) -> int:
+    """The node a handle or value comes from, through Enter/Identity/Switch/Merge (and Exit)."""
     seen = set()
-    while view.ops[node] in PASS_THROUGH and view.data_inputs[node] and node not in seen:
+    passing = PASS_THROUGH | {"Exit"} if through_exit else PASS_THROUGH
+    while view.ops[node] in passing and view.data_inputs[node] and node not in seen:
         seen.add(node)
         node = view.data_inputs[node][0][0]
     return node
 
 
 def _stacks(view: GraphView) -> dict[int, tuple[list[int], list[int]]]:
-    """Per stack (its StackV2 node), its pushes and pops."""
+    """Per stack (its StackV2 node, or a TensorList's EmptyTensorList), its pushes and pops."""
     out: dict[int, tuple[list[int], list[int]]] = {}
     for i in range(view.size):
         op = view.ops[i]
         if (op in PUSH_OPS or op in POP_OPS) and view.data_inputs[i]:
-            stack = _source(view, view.data_inputs[i][0][0])
+            # (a TensorList is a value: the gradient loop pops the list the forward loop's Exit gives)
+            stack = _source(view, view.data_inputs[i][0][0], through_exit=op.startswith("TensorList"))
             pushes, pops = out.setdefault(stack, ([], []))
             (pushes if op in PUSH_OPS else pops).append(i)
     return out
@@ -188,9 +195,9 @@ def _arrays(view: GraphView) -> dict[int, tuple[list[int], list[int]]]:
     return out
 
 
-def _new_buffer_each_iteration(view: GraphView, node: int, port: int, seen: set) -> bool:
-    """Does the value ``node`` keeps (its input ``port``) take a new buffer each iteration, not yet
-    kept by another stack or array? Not so for a variable's read (the variable's own buffer, see
+def _new_buffer_each_iteration(view: GraphView, node: int, port: int, seen: set) -> tuple[int, int] | None:
+    """The tensor whose value ``node`` keeps (its input ``port``), if it takes a new buffer each
+    iteration, not yet kept by another stack or array (else None)? Not so for a variable's read (the variable's own buffer, see
     :data:`lmscli.memmodel.RESIDENT_READS`), a constant, or a value made outside the loop (the same
     buffer every iteration); an Identity forwards its input's buffer."""
     from lmscli.graphview import VARIABLE_OPS
@@ -198,18 +205,38 @@ def _new_buffer_each_iteration(view: GraphView, node: int, port: int, seen: set)
 
     inputs = view.data_inputs[node]
     if len(inputs) <= port:
-        return False
+        return None
     src, output = inputs[port]
     frame = view.frames[node]
     while view.ops[src] in ("Identity", "Enter", "RefEnter") and view.frames[src] == frame and view.data_inputs[src]:
         src, output = view.data_inputs[src][0]
+    carried = _carried(view, src, output)
+    if carried is not None:  # a loop variable: the value last iteration made (and maybe kept)
+        src, output = carried
     if view.frames[src] != frame or view.ops[src] in RESIDENT_READS or view.ops[src] in VARIABLE_OPS \
             or view.ops[src] == "Const":
-        return False
+        return None
     if (src, output) in seen:
-        return False
+        return None
     seen.add((src, output))
-    return True
+    return src, output
+
+
+def _carried(view: GraphView, node: int, output: int) -> tuple[int, int] | None:
+    """For a loop variable as the body reads it (a Switch's output 1), the tensor the previous
+    iteration made for it (what reaches its NextIteration), through Identities; else None."""
+    if view.ops[node] not in ("Switch", "RefSwitch") or output != 1 or not view.data_inputs[node]:
+        return None
+    merge = view.data_inputs[node][0][0]
+    if view.ops[merge] not in ("Merge", "RefMerge"):
+        return None
+    for src, _ in view.data_inputs[merge]:
+        if view.ops[src] in ("NextIteration", "RefNextIteration") and view.data_inputs[src]:
+            value, out = view.data_inputs[src][0]
+            while view.ops[value] == "Identity" and view.frames[value] == view.frames[node] and view.data_inputs[value]:
+                value, out = view.data_inputs[value][0]
+            return value, out
+    return None
 
 
 def _element_bytes(view: GraphView, node: int, port: int) -> int:
@@ -256,9 +283,38 @@ def _varies(view: GraphView, node: int, frame: str) -> bool:
             continue
         seen.add(i)
         if view.ops[i] in ("Merge", "RefMerge"):
-            return True
+            if _invariant(view, i) is None:
+                return True
+            continue
         stack.extend(src for src, _ in view.data_inputs[i])
     return False
+
+
+def _invariant(view: GraphView, merge: int) -> tuple[int, int] | None:
+    """The value a loop variable enters with, when the body passes it on unchanged (its next
+    value is its own Switch's output through Identities only, as a TensorFlow 2 loop does with
+    its bounds); None when it changes::
+
+        Enter(n) --> Merge --> Switch --:1--> Identity ... --> NextIteration --> (Merge)
+    """
+    entered, back = None, None
+    for src, _output in view.data_inputs[merge]:
+        if view.ops[src] in ("Enter", "RefEnter"):
+            entered = view.data_inputs[src][0] if view.data_inputs[src] else None
+        elif view.ops[src] in ("NextIteration", "RefNextIteration"):
+            back = src
+    if entered is None or back is None:
+        return None
+    node, seen = back, set()
+    while view.data_inputs[node] and node not in seen:
+        seen.add(node)
+        src, output = view.data_inputs[node][0]
+        if view.ops[src] in ("Switch", "RefSwitch"):
+            return entered if output == 1 and view.data_inputs[src][0][0] == merge else None
+        if view.ops[src] != "Identity":
+            return None
+        node = src
+    return None
 
 
 class _Evaluator:
@@ -271,7 +327,13 @@ class _Evaluator:
 
     def value(self, node: int, output: int, frame: str):
         view = self.view
-        while view.frames[node] == frame and view.ops[node] in ("Enter", "RefEnter", "Identity"):
+        while view.frames[node] == frame and view.ops[node] in ("Enter", "RefEnter", "Identity", "Merge"):
+            if view.ops[node] == "Merge":
+                entered = _invariant(view, node)
+                if entered is None:
+                    return None
+                node, output = entered
+                continue
             node, output = view.data_inputs[node][0]
         if view.ops[node] == "Const":  # (a constant made inside the loop is invariant too)
             return self._const(node)

@@ -29,7 +29,7 @@ import numpy as np
 
 from lmscli import timing
 from lmscli.analysis import Prepared, binding
-from lmscli.candidates import COND_PRODUCERS, Candidate, Filters, branch_safe, candidates, edge_safe, trigger_safe
+from lmscli.candidates import COND_PRODUCERS, Candidate, Filters, boundary, branch_safe, candidates, edge_safe, trigger_safe
 from lmscli.device import Device
 from lmscli.errors import NoFitError
 from lmscli.plan import Plan, from_sim, graph_fingerprint, recomputes_from_sim
@@ -129,7 +129,10 @@ class _Context:
             from lmscli.recompute import Buffers, recipes
 
             with timing.phase("recompute recipes"):
-                alone = [t for t, c in self.cands.items() if not c.shares]  # (clones free no shared buffer)
+                # (clones free no shared buffer; an inlined call's argument is its input's buffer)
+                sched = self.schedule
+                alone = [t for t, c in self.cands.items()
+                         if not c.shares and not boundary(self.view, sched.nodes[sched.tensors[t].producer])]
                 self._recipes = recipes(self.view, self.schedule, alone, self.prepared.fused)
                 self.buffers = Buffers(self.schedule)
         return self._recipes

@@ -18,8 +18,9 @@ outputs (the variable updates)::
 
 The rewritten graph (the plan's swap and recompute nodes added) gets its placeholders back and is
 imported into a new ``tf.function`` that feeds them the call's arguments and the original
-variables' handles. Functional control flow inside the step (``If``/``While``/calls with bodies in
-the function library) is analysed as lms analyses calls: their inputs and outputs only.
+variables' handles. Calls of other functions inside the step are inlined, and its functional
+control flow (``If``/``While`` of ``tf.cond``/``tf.while_loop``) lowered to Switch/Merge and
+Enter/Exit, as TensorFlow's runtime does (:mod:`lmscli.inline`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from lmscli.errors import InputError
 
 DT_RESOURCE = 20
+V1_CONTROL_FLOW = frozenset({"Switch", "Merge", "Enter", "Exit", "NextIteration", "LoopCond"})
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class _Signature:
     outputs: tuple[str, ...]  # tensor names of the function's flat outputs
     control: tuple[str, ...]  # names of its control outputs (the ops that must run)
     structured: object  # the function's structured outputs, to pack the flat ones
+    specs: tuple = ()  # TensorSpecs of the call's flat arguments
 
 
 def model_of(concrete_function, name: str | None = None):
@@ -66,12 +69,17 @@ def model_of(concrete_function, name: str | None = None):
     from tensorflow.core.protobuf import meta_graph_pb2
     from tensorflow.python.ops import handle_data_util
 
-    from lmscli.loader import Model
+    from lmscli import inline
+    from lmscli.loader import Model, _lower_control_flow
 
     graph = getattr(concrete_function, "graph", None)
     if graph is None or not hasattr(concrete_function, "captured_inputs"):
         raise InputError("lmscli.tf2 needs a concrete function: step.get_concrete_function(*input_specs)")
     graph_def = graph.as_graph_def()
+    renamed = {}
+    if inline.has_calls(graph_def):  # nested tf.functions: their bodies, inlined (lmscli.inline)
+        done = inline.inline_calls(graph_def)
+        graph_def, renamed = done.graph_def, done.renamed
     handles = tuple(concrete_function.captured_inputs)
     inputs = list(graph.inputs)
     inner = inputs[len(inputs) - len(handles):] if handles else []
@@ -97,7 +105,7 @@ def model_of(concrete_function, name: str | None = None):
         node.attr["container"].s = b""
     meta = meta_graph_pb2.MetaGraphDef()
     meta.graph_def.CopyFrom(graph_def)
-    outputs = tuple(t.name for t in concrete_function.outputs)
+    outputs = tuple(renamed.get(t.name, t.name) for t in concrete_function.outputs)
     control = tuple(sorted(op.name for op in graph.control_outputs))
     fetches = tuple(dict.fromkeys([t.split(":")[0] for t in outputs] + list(control)))
     if not fetches:
@@ -105,8 +113,12 @@ def model_of(concrete_function, name: str | None = None):
     label = concrete_function.name
     label = label.decode() if isinstance(label, bytes) else str(label)
     model = Model(name or f"<tf.function {label}>", "metagraph", meta, fetches, "option")
+    _lower_control_flow(model)  # tf.cond / tf.while_loop: If and While, lowered as loader.load does
+    import tensorflow as tf
+
+    specs = tuple(tf.TensorSpec(t.shape, t.dtype) for t in args)
     signature = _Signature(tuple(t.op.name for t in args), tuple(t.op.name for t in inner), handles, tuple(originals),
-                           outputs, control, concrete_function.structured_outputs)
+                           outputs, control, concrete_function.structured_outputs, specs)
     return model, signature
 
 
@@ -137,20 +149,25 @@ def rewrite(concrete_function, gpu_mem=None, device: str | None = None, reserve:
 
 def _runner(graph_def, signature: _Signature):
     """A tf.function importing ``graph_def`` (its capture placeholders restored) and feeding it the
-    call's arguments and the captured handles."""
+    call's arguments and the captured handles (a wrapped function when it holds lowered control
+    flow)."""
     import tensorflow as tf
 
     restored = type(graph_def)()
     restored.CopyFrom(graph_def)
     originals = {node.name: node for node in signature.originals}
+    fed = set(signature.args) | set(signature.captures)
     for node in restored.node:
         if node.name in originals:
             node.CopyFrom(originals[node.name])
+        if any(ref[1:] in fed for ref in node.input if ref.startswith("^")):
+            # (lowered control flow waits for its inputs; a fed value is there from the start)
+            kept = [ref for ref in node.input if not (ref.startswith("^") and ref[1:] in fed)]
+            del node.input[:]
+            node.input.extend(kept)
     returned = list(signature.outputs) + list(signature.control)
 
-    @tf.function(autograph=False)
-    def step(*args):
-        flat = tf.nest.flatten(args)
+    def run(flat):
         if len(flat) != len(signature.args):
             raise InputError(f"the step takes {len(signature.args)} tensor(s), got {len(flat)}")
         graph = tf.compat.v1.get_default_graph()
@@ -158,10 +175,27 @@ def _runner(graph_def, signature: _Signature):
         feeds.update({f"{name}:0": graph.capture(handle) for name, handle in zip(signature.captures, signature.handles)})
         found = tf.compat.v1.import_graph_def(restored, input_map=feeds, return_elements=returned, name="lms_step")
         outputs, ops = found[:len(signature.outputs)], found[len(signature.outputs):]
-        with tf.control_dependencies(ops):
-            outputs = [tf.identity(t) for t in outputs]
+        with tf.control_dependencies(ops):  # (the updates run even when nothing reads them)
+            return [tf.identity(t) for t in outputs], tf.constant(0)
+
+    def pack(outputs):
         if signature.structured is None:
             return None
         return tf.nest.pack_sequence_as(signature.structured, outputs, expand_composites=True)
+
+    if not any(node.op in V1_CONTROL_FLOW for node in restored.node):
+        @tf.function(autograph=False)
+        def step(*args):
+            return pack(run(tf.nest.flatten(args))[0])
+
+        return step
+    # Lowered tf.cond / tf.while_loop (Switch, Merge, Enter, Exit) cannot go into a tf.function:
+    # its automatic control dependencies need the control-flow contexts only Python-built v1
+    # control flow has. A wrapped (TensorFlow 1-style) function runs them, pruned to what it returns.
+    wrapped = tf.compat.v1.wrap_function(lambda *flat: run(list(flat)), list(signature.specs))
+
+    def step(*args):
+        outputs, _done = wrapped(*tf.nest.flatten(args))
+        return pack(outputs)
 
     return step

@@ -35,6 +35,7 @@ import contextlib
 import math
 import os
 import shutil
+import subprocess
 import sys
 import time
 
@@ -737,6 +738,7 @@ SAMPLES = {
     "cond_cnn": (["cond_cnn.meta"], "small CNN with a v1 cond between two conv branches, Momentum"),
     "cond_branch": (["cond_branch.meta"], "CNN with a v1 cond, a 6-conv residual branch (the peak) or a 1x1 conv, Momentum"),
     "two_gpu_cnn": (["two_gpu_cnn.meta"], "5-conv CNN data parallel on /device:GPU:0 and GPU:1, variables on CPU:0, Momentum"),
+    "tf2_step": (["tf2_step"], "TensorFlow 2 SavedModel: a Keras 3 CNN's tf.function step (nested functions), signature 'train'"),
 }
 
 
@@ -752,6 +754,11 @@ def write_sample(name, out_dir):
         gd = build_frozen_cnn()
         for f in files:
             _serialize(gd, f)
+    elif name == "tf2_step":
+        # A process of its own: TensorFlow numbers functions per process (see tf2_step.py).
+        if os.path.exists(files[0]):
+            shutil.rmtree(files[0])
+        subprocess.run([sys.executable, os.path.join(HERE, "tf2_step.py"), files[0]], check=True)
     else:
         _serialize(build(name), files[0])
     return files
