@@ -114,7 +114,7 @@ class CannotInline(Exception):
 
 
 def _split(ref: str) -> tuple[str, str]:
-    """('^', node) for a control input, else (node, ':k' or '')."""
+    """(node, '^') for a control input, else (node, ':k' or '')."""
     if ref.startswith("^"):
         return ref[1:], "^"
     node, sep, index = ref.rpartition(":")
@@ -278,15 +278,13 @@ def lower_control_flow(graph_def, fetches) -> Lowered:
     made = {n.name for n in optimized.node}
     # Nodes the step does not need stay, except those reading a lowered op's outputs (a lowered
     # op is a NoOp now): dead ends of the step (say, a gradient loop's unused results).
-    gone = set(functional)
-    kept = []
-    for n in graph_def.node:  # (a node's inputs come first in a GraphDef TensorFlow wrote)
-        if n.name in needed:
-            continue
-        if any(_split(ref)[0] in gone for ref in n.input):
-            gone.add(n.name)
-            continue
-        kept.append(n)
+    gone, grew = set(functional), True
+    rest = [n for n in graph_def.node if n.name not in needed]
+    while grew:
+        before = len(gone)
+        gone.update(n.name for n in rest if any(_split(ref)[0] in gone for ref in n.input))
+        grew = len(gone) > before
+    kept = [n for n in rest if n.name not in gone]
     if any(n.name in made for n in kept) or any(f not in made for f in fetches if f in needed):
         raise CannotInline("its lowered nodes' names collide with the graph's")
     result = graph_pb2.GraphDef()

@@ -237,7 +237,7 @@ def load(path: str, fmt: str | None = None, fetch: list[str] | None = None, tag:
     _inline_calls(model)
     model.structure = _check_structure(model)
     _choose_fetches(model, fetch)
-    _lower_control_flow(model)
+    lower_functional_control_flow(model)
     return model
 
 
@@ -265,7 +265,7 @@ def _inline_calls(model: Model) -> None:
         model.notes.append(f"function call {call} left as a call ({why}): the tensors inside it are not counted")
 
 
-def _lower_control_flow(model: Model) -> None:
+def lower_functional_control_flow(model: Model) -> None:
     """Functional If/While/Case the step runs become v1 control flow (:func:`lmscli.inline.lower_control_flow`)."""
     from lmscli import inline
 
@@ -327,10 +327,14 @@ def _choose_fetches(model: Model, fetch: list[str] | None) -> None:
 
 def _signature_fetches(meta, names: set[str], calls: dict) -> tuple[str, tuple[str, ...]] | None:
     """The outputs of the graph's training signature (a TensorFlow 2 SavedModel has no train_op
-    collection: its step is a signature): the one whose key says "train", else the only one. An
-    output of an inlined call is fetched as the call (which waits for the function's updates)."""
+    collection: its step is a signature): the one whose key says "train", else, in a graph whose
+    signatures call functions (TensorFlow 2), the only one. An output of an inlined call is
+    fetched as the call (which waits for the function's updates)."""
     signatures = {k: v for k, v in meta.signature_def.items() if not k.startswith("__saved_model")}
-    keys = [k for k in sorted(signatures) if "train" in k.lower()] or sorted(signatures)
+    from lmscli.inline import BOUNDARY_ATTR
+
+    functions = bool(calls) or any(BOUNDARY_ATTR in n.attr for n in meta.graph_def.node)  # (or read back)
+    keys = [k for k in sorted(signatures) if "train" in k.lower()] or (sorted(signatures) if functions else [])
     if len(keys) != 1:
         return None
     tensors = [t.name if ":" in t.name else t.name + ":0" for _, t in sorted(signatures[keys[0]].outputs.items())]

@@ -70,7 +70,7 @@ def model_of(concrete_function, name: str | None = None):
     from tensorflow.python.ops import handle_data_util
 
     from lmscli import inline
-    from lmscli.loader import Model, _lower_control_flow
+    from lmscli.loader import Model, lower_functional_control_flow
 
     graph = getattr(concrete_function, "graph", None)
     if graph is None or not hasattr(concrete_function, "captured_inputs"):
@@ -113,7 +113,7 @@ def model_of(concrete_function, name: str | None = None):
     label = concrete_function.name
     label = label.decode() if isinstance(label, bytes) else str(label)
     model = Model(name or f"<tf.function {label}>", "metagraph", meta, fetches, "option")
-    _lower_control_flow(model)  # tf.cond / tf.while_loop: If and While, lowered as loader.load does
+    lower_functional_control_flow(model)  # tf.cond / tf.while_loop: If and While, lowered as loader.load does
     import tensorflow as tf
 
     specs = tuple(tf.TensorSpec(t.shape, t.dtype) for t in args)
