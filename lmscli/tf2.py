@@ -66,6 +66,7 @@ class _Signature:
 def model_of(concrete_function, name: str | None = None):
     """The step of ``concrete_function`` as an lms :class:`~lmscli.loader.Model` (variables as
     ``VarHandleOp`` nodes), and what is needed to run its rewrite back (see the module docstring)."""
+    import tensorflow as tf
     from tensorflow.core.protobuf import meta_graph_pb2
     from tensorflow.python.ops import handle_data_util
 
@@ -114,8 +115,6 @@ def model_of(concrete_function, name: str | None = None):
     label = label.decode() if isinstance(label, bytes) else str(label)
     model = Model(name or f"<tf.function {label}>", "metagraph", meta, fetches, "option")
     lower_functional_control_flow(model)  # tf.cond / tf.while_loop: If and While, lowered as loader.load does
-    import tensorflow as tf
-
     specs = tuple(tf.TensorSpec(t.shape, t.dtype) for t in args)
     signature = _Signature(tuple(t.op.name for t in args), tuple(t.op.name for t in inner), handles, tuple(originals),
                            outputs, control, concrete_function.structured_outputs, specs)
