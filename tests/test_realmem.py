@@ -3,8 +3,7 @@
 The graph of the proof is the generator's residual MLP (``synthetic``) at a batch where
 activations dominate: 247 MiB without swapping on the stand-in, 55 MiB lower bound, no CPU
 convolution scratch (which at small shapes sets the minimum of a conv net: see the notes in
-lmscli/prove/scratch.py). Each out-of-memory probe costs about 10 s (TensorFlow retries a failing
-allocation that long), so the file runs in about three minutes.
+lmscli/prove/scratch.py).
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ def test_out_of_memory_below_need_fits_above(standin, reference, original_at_75)
     assert not verdict.fits and verdict.failures == 1 and verdict.runs == 1 and verdict.result is None
     assert verdict.limit_bytes == 75 * MIB
     assert verdict.oom_node == "c"  # the third 30 MiB tensor
-    assert "75 MiB" in verdict.message and "30.00MiB" in verdict.message and "\n" not in verdict.message
+    assert "75 MiB" in verdict.message and "30.00 MiB" in verdict.message and "\n" not in verdict.message
     roomy = standin.run(toy(), ["train"], 120 * MIB)
     assert roomy.fits and roomy.runs == 3 and roomy.failures == 0 and not roomy.varies
     assert roomy.oom_node is None and roomy.message is None and roomy.results_differ is None

@@ -20,14 +20,16 @@ server in about 0.1 s (:mod:`lmscli.prove._server`). So no state survives betwee
 fragmentation), a new limit is just another fork, and executor orders differ between runs. The
 stand-in's allocator holds one region of exactly the limit, as a GPU's does; it runs kernels one
 at a time (one inter-op, one intra-op thread), with TensorFlow's own kernels (oneDNN off), and logs
-warnings to a private file. A thread watches that file and kills the stand-in at the allocator's
-"ran out of memory" line, so disguised out-of-memory failures (a Const that cannot be allocated, a
-crash) are classified by the allocator's own word. TensorFlow retries a failing allocation for
-10 s (a concurrent free may rescue it, as on a GPU), so every out-of-memory run costs about 10 s.
+to a private file: the executor each op it starts, the allocator each request. A thread watches
+that file and the allocator's memory maps (written at each allocation that finds no free chunk)
+and kills the stand-in at the first failed allocation (see :class:`_Watch`), so disguised
+out-of-memory failures (a Const that cannot be allocated, a crash) are classified by the
+allocator's own word, and a run that runs out of memory ends at once instead of after
+TensorFlow's 10 s retry.
 
 Measured here (2 cores): the zygote starts in 2-4 s, once; a pair of servers in 0.03-0.08 s; a run
-that fits takes 0.2-0.6 s on the small samples (about 4 s on the ResNet-50 sample), one that runs
-out of memory 10.2-13 s. CPU convolution backprop kernels allocate their scratch from the same
+that fits takes 0.2-0.6 s on the small samples (about 4.5 s on the ResNet-50 sample, whose log is
+4 MB), one that runs out of memory as long as the step up to it. CPU convolution backprop kernels allocate their scratch from the same
 allocator (27 MiB for a Conv2DBackpropFilter of the CNN sample): it counts, as cuDNN workspaces
 would on a GPU, and at small shapes it sets the minimum.
 """
@@ -60,6 +62,7 @@ from lmscli.prove.steps import (GPU_COPY_OPS, StepRun, _check_cpu_kernels, compa
                                 import_graph, map_gpu_ops)
 from lmscli.prove.steps import error_line as _error_line
 from lmscli.prove.steps import oom_node as _oom_node
+from lmscli.units import format_size
 
 MIB = 1 << 20
 STANDIN_JOB, HOST_JOB = "gpu", "host"
@@ -68,6 +71,12 @@ HOST_DEVICE = f"/job:{HOST_JOB}/replica:0/task:0/device:CPU:0"
 RETRY_S = 10.0  # TensorFlow's allocator retries a failing allocation this long
 _OOM_LINE = ") ran out of memory trying"
 _NOT_A_FAILURE = "caller indicates that this is not a failure"  # a tolerated failure (a kernel with a fallback)
+_TOLERATED_LOGGED = 10  # TensorFlow logs the first ten tolerated failures of a process, then no more
+_PROCESS_NODE = "] Process node: "  # the executor's log line (TF_CPP_VMODULE=executor=1) as it starts an op
+_NODE = re.compile(r"\{\{node ([^}]+)\}\}")
+_REQUEST = re.compile(r"\] AllocateRaw \S+ +(\d+)( \S+)?$")  # the allocator's log of a request (and its address)
+_GRACE_S = 0.2
+_MAP = "memory-map"  # the prefix of the allocator's memory maps (TF_BFC_MEMORY_DUMP) in a server's files
 _POLL_S = 0.05
 _MAX_LIMIT = 1 << 40
 
@@ -171,6 +180,16 @@ class _Server:
     def alive(self) -> bool:
         return is_child(self.pid, self.parent)
 
+    def memory_maps(self) -> list[str]:
+        """The allocator's memory maps so far (one per allocation that found no free chunk), oldest first."""
+        folder, prefix = os.path.split(self.log[: -len(".log")] + "." + _MAP)
+        try:
+            names = [n for n in os.listdir(folder) if n.startswith(prefix + "_")]
+        except OSError:
+            return []
+        # <prefix>_<allocator>.<microseconds>
+        return [os.path.join(folder, n) for n in sorted(names, key=lambda n: int(n.rsplit(".", 1)[1]))]
+
     def kill(self) -> None:
         kill_child(self.pid, self.parent)
 
@@ -215,8 +234,10 @@ class _Zygote:
         self.children: list[int] = []
         # oneDNN off (BFC with oneDNN crashes); warnings logged (the allocator's out-of-memory line); calls to
         # a dead server fail at once; no real GPU grabbed by a GPU build of TensorFlow.
-        env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="1", GRPC_FAIL_FAST="true",
-                   CUDA_VISIBLE_DEVICES="-1")
+        # The executor logs each op it starts and the allocator each request (the op and the request
+        # that ran out of memory are named by that log).
+        env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="executor=1,bfc_allocator=3",
+                   GRPC_FAIL_FAST="true", CUDA_VISIBLE_DEVICES="-1")
         for key in ("TF_CPU_ALLOCATOR_USE_BFC", "TF_CPU_BFC_MEM_LIMIT_IN_MB"):
             env.pop(key, None)
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -271,18 +292,32 @@ class _Zygote:
 
 
 class _Watch(threading.Thread):
-    """Reads the stand-in's log during a run; kills the stand-in at its first out-of-memory line."""
+    """Watches the stand-in during a run and kills it at its first failed allocation.
+
+    The stand-in's BFC allocator writes a memory map (``TF_BFC_MEMORY_DUMP``) each time an
+    allocation finds no free chunk; TensorFlow would then wait 10 s for a concurrent free before
+    logging "ran out of memory". A map that no tolerated failure accounts for (a kernel asking
+    for optional scratch with a fallback logs "not a failure" right after its map) is an
+    out-of-memory at once: a step that only fits by waiting for a transfer to free memory would
+    stall a GPU, and the simulator does not count on such waits. Past TensorFlow's ten logged
+    tolerated failures the maps can no longer be told apart, and the watch falls back to the
+    allocator's own line. The executor's log (``Process node``) names the op that was running."""
 
     def __init__(self, pair: _Pair):
         super().__init__(daemon=True)
         self.pair = pair
         self.oom_line: str | None = None
+        self.oom_node: str | None = None  # the op running at the first failed allocation
         self.died: str | None = None  # the job of a server that died on its own
         self._offset = 0
+        self._tolerated = 0  # allocation failures a kernel said were not failures
+        self._last_node: str | None = None
+        self._pending: int | None = None  # the bytes of a request not yet granted
+        self._suspect: float | None = None  # when the maps first outnumbered the tolerated failures
         self._stopped = threading.Event()
 
     def scan(self) -> None:
-        """Read the whole lines the stand-in logged since the last scan."""
+        """Read the whole lines the stand-in logged since the last scan, then its memory maps."""
         try:
             with open(self.pair.standin.log, "rb") as f:
                 f.seek(self._offset)
@@ -292,8 +327,37 @@ class _Watch(threading.Thread):
         data = data[: data.rfind(b"\n") + 1]
         self._offset += len(data)
         for line in data.decode(errors="replace").splitlines():
-            if self.oom_line is None and _OOM_LINE in line and _NOT_A_FAILURE not in line:
-                self.oom_line = line.strip()
+            if _PROCESS_NODE in line:
+                found = _NODE.search(line)
+                if found:
+                    self._last_node = found.group(1)
+            elif "] AllocateRaw " in line:
+                found = _REQUEST.search(line.rstrip())
+                if found:
+                    self._pending = None if found.group(2) else int(found.group(1))
+            elif _OOM_LINE in line:
+                if _NOT_A_FAILURE in line:
+                    self._tolerated += 1
+                elif self.oom_line is None:
+                    self.oom_line = line.strip()
+                    self.oom_node = _oom_node(line) or self._last_node
+        if self.oom_line is None and self._tolerated < _TOLERATED_LOGGED:
+            self._check_maps()
+
+    def _check_maps(self) -> None:
+        maps = self.pair.standin.memory_maps()
+        if len(maps) <= self._tolerated:
+            self._suspect = None
+            return
+        now = time.monotonic()
+        if self._suspect is None:
+            self._suspect = now  # a tolerated failure logs its line just after its map: give it time
+        elif now - self._suspect >= _GRACE_S:
+            in_use = _bytes_in_use(maps[self._tolerated])  # less the region the server holds itself
+            held = f" with {format_size(in_use)} in use" if in_use is not None else ""
+            asked = f" to allocate {format_size(self._pending)}" if self._pending else ""
+            self.oom_node = self._last_node
+            self.oom_line = f"ran out of memory trying{asked}{held}"
 
     def run(self) -> None:
         while not self._stopped.wait(_POLL_S):
@@ -309,6 +373,19 @@ class _Watch(threading.Thread):
         self._stopped.set()
         self.join()
         self.scan()
+
+
+def _bytes_in_use(path: str) -> int | None:
+    """The allocator's bytes in use in one of its memory maps (a ``MemoryDump``), if readable."""
+    try:
+        from tensorflow.core.protobuf import bfc_memory_map_pb2
+
+        dump = bfc_memory_map_pb2.MemoryDump()
+        with open(path, "rb") as f:
+            dump.ParseFromString(f.read())
+        return max(0, int(dump.stats.bytes_in_use) - FIRST_REGION)
+    except Exception:  # noqa: BLE001 - a half-written or unreadable map only loses the figure
+        return None
 
 
 # ---------------------------------------------------------------- graphs
@@ -366,14 +443,18 @@ def _mib(num_bytes: int | None) -> str:
 
 
 def _oom_message(text: str, phase: str, limit_bytes: int | None, node: str | None) -> str:
-    """One line from the allocator's log line or TensorFlow's OOM error."""
-    size = re.search(r"to allocate (\S+)", text)
+    """One line from the allocator's log line, TensorFlow's OOM error, or the watch's own finding."""
+    size = re.search(r"to allocate ([\d.]+ ?[KMGT]?i?B|\S+)", text)
     tensor = re.search(r"shape\[([^\]]*)\] and type (\w+)", text)
+    held = re.search(r"with (.+ in use)", text)
     what = size.group(1) if size else (f"a {tensor.group(2)} tensor of shape [{tensor.group(1)}]" if tensor else None)
     detail = f"allocating {what}" if what else "an allocation"
     if node:
         detail += f" for {node}"
-    return f"out of memory under {_mib(limit_bytes)} while {phase}: {detail} failed"
+    detail += " failed"
+    if held:
+        detail += f" ({held.group(1)})"
+    return f"out of memory under {_mib(limit_bytes)} while {phase}: {detail}"
 
 
 # ---------------------------------------------------------------- the stand-in
@@ -457,7 +538,8 @@ class StandIn:
         self._count += 1
         ports = _free_ports(2)
         cluster = {STANDIN_JOB: [f"127.0.0.1:{ports[0]}"], HOST_JOB: [f"127.0.0.1:{ports[1]}"]}
-        env = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
+        name = self._path(f"{self._count}-{STANDIN_JOB}")
+        env = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_BFC_MEMORY_DUMP": f"{name}.{_MAP}"}
         if limit_bytes is not None:  # plus the small first region that the pre-allocation fills
             env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str((limit_bytes + FIRST_REGION) // MIB)
         servers: list[_Server] = []
@@ -546,11 +628,11 @@ class StandIn:
         """Out of memory (by the allocator's log, or TensorFlow's error), else raise an LmsError."""
         tf = tensorflow()
         exc, phase = failure.error, failure.phase
-        line = watch.oom_line
+        line, node = watch.oom_line, watch.oom_node
         if line is None and isinstance(exc, tf.errors.ResourceExhaustedError):
             line = str(exc).strip()
         if line is not None:
-            node = _oom_node(line) or _oom_node(str(exc))
+            node = node or _oom_node(line) or _oom_node(str(exc))
             return _Outcome(False, oom_node=node, message=_oom_message(line, phase, limit_bytes, node))
         dead = watch.died or pair.dead()
         if dead:
@@ -602,8 +684,8 @@ class StandIn:
         search: no probe goes outside them.
 
         Measured on the samples here: 2-9 probes (5-14 runs with the reference run and the
-        confirmation), 1-4 of them out of memory at 10-13 s each; a search took 11-26 s on the small
-        samples and 56-82 s on the ResNet-50 one. Repeated searches agreed on six samples; on the two-GPU
+        confirmation), 1-4 of them out of memory; a search takes 9-18 s on the small samples and
+        about 60 s on the ResNet-50 one. Repeated searches agreed on six samples; on the two-GPU
         CNN four searches gave 31-33 MiB (the threshold moves between runs: the executor's order varies).
         """
         started = time.monotonic()
@@ -680,9 +762,8 @@ class _Search:
 
     def bracket(self, hint: int) -> int:
         """Probe the hint, then step outwards until a fit and a failure are known, or a bound is
-        reached; the smallest fitting limit seen. Fitting probes are cheap and failing ones cost
-        TensorFlow's 10 s retry, so steps down are small (1/16 each) and steps up grow (1/8 of the
-        hint, doubling)."""
+        reached; the smallest fitting limit seen. The hint is usually close, so steps down are
+        small (1/16 each) and steps up grow (1/8 of the hint, doubling)."""
         x = self._clamp(hint)
         if self.probe(x):
             while True:
