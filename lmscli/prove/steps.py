@@ -276,7 +276,60 @@ def import_graph(meta, fetches, loss: str | None = None) -> Imported:
                 loss_tensor = None
         placeholders = [op for op in graph.get_operations()
                         if op.type == "Placeholder" and not op.name.startswith(INIT_SCOPE + "/")]
+        step = targets + [t.op for t in variables] + ([loss_tensor.op] if loss_tensor is not None else [])
+        _one_at_a_time(init, step)
     return Imported(graph, init, variables, targets, loss_tensor, placeholders, init_feed, names)
+
+
+def _one_at_a_time(init, step) -> None:
+    """Make the initialisation run its ops one after another in one fixed order (a topological
+    order, ties by name), by control edges between consecutive ops that only the initialisation
+    runs. The allocator then lays the variables out the same way in every run: the executor's
+    own order among them varies, and with it the holes the step's tensors must fit into (on the
+    stand-in, plans near their limit fitted in some runs and not in others for that alone).
+
+    Before::  init <- a_init, b_init  (either first)
+    After::   init <- a_init, b_init; b_init <- ^a_init"""
+    shared = _ancestors(step)
+    # (Placeholders are fed: a fed node does not run, and an edge to or from it would be lost.)
+    own = [op for op in _ancestors([init]) if op not in shared and op.type != "Placeholder"]
+    mine = set(own)
+    waiting = {op: sum(1 for dep in _deps(op) if dep in mine) for op in own}
+    ready = sorted(op.name for op, n in waiting.items() if n == 0)
+    by_name = {op.name: op for op in own}
+    users: dict = {}
+    for op in own:
+        for dep in _deps(op):
+            if dep in mine:
+                users.setdefault(dep, []).append(op)
+    import heapq
+
+    heapq.heapify(ready)
+    previous = None
+    while ready:
+        op = by_name[heapq.heappop(ready)]
+        if previous is not None and previous not in op.control_inputs:
+            op._add_control_input(previous)
+        previous = op
+        for user in users.get(op, ()):
+            waiting[user] -= 1
+            if waiting[user] == 0:
+                heapq.heappush(ready, user.name)
+
+
+def _deps(op):
+    return [t.op for t in op.inputs] + list(op.control_inputs)
+
+
+def _ancestors(ops) -> set:
+    seen, stack = set(), list(ops)
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        stack.extend(_deps(op))
+    return seen
 
 
 BOILERPLATE = ("Graph execution error", "Detected at node", "Node:", "From /job:", "[[", "Original stack trace", "File ")
