@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import functools
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from lmscli.candidates import Filters, candidates
 from lmscli.errors import InputError
@@ -42,6 +42,8 @@ class Prepared:
     observed_micros: object = None  # op times observed in that run (node name -> microseconds)
     dead: frozenset = frozenset()  # ops of the step Grappler prunes as unused, left out of the schedules
     untaken: frozenset = frozenset()  # ops of the smaller branch of each v1 cond, left out likewise
+    # The StandIn a step prepared for the stand-in was observed on; its plans are judged there.
+    stand_in: object = field(default=None, compare=False, repr=False)
 
     @functools.cached_property
     def run_peak_bytes(self) -> int | None:
@@ -61,12 +63,15 @@ class Prepared:
         return replace(self, schedule=chosen, schedules=schedules, scratch=dict(scratch))
 
     def observed(self, order, scratch: dict | None = None, micros: dict | None = None) -> "Prepared":
-        """The same step in an execution order observed in a real run (op names; ops the run did not
-        show run as soon as they are ready), with kernel scratch and op times if given."""
+        """The same step in an execution order observed in a real run on the stand-in (op names; ops
+        the run did not show run as soon as they are ready), with kernel scratch and op times if
+        given, and the stand-in's waited sends (:attr:`Schedule.waited_sends`)."""
         trace = self.trace.observed(order, micros) if self.trace is not None else None
         if trace is None:
-            return self.with_scratch(scratch or {})
-        schedules = tuple(s.without(self.dead | self.untaken) for s in build_schedules(
+            schedules = tuple(replace(s, waited_sends=True) for s in self.schedules)
+            chosen = replace(self.schedule, waited_sends=True)
+            return replace(self, schedule=chosen, schedules=schedules).with_scratch(scratch or {})
+        schedules = tuple(replace(s.without(self.dead | self.untaken), waited_sends=True) for s in build_schedules(
             self.view, self.model.fetches, trace=trace, memory_model=self.schedule.memory_model))
         chosen = next((s for s in schedules if s.device == self.schedule.device), schedules[0])
         seen = replace(self, schedule=chosen, schedules=schedules, observed_order=tuple(order),

@@ -23,6 +23,7 @@ PLAN_VERSION = 1
 class PlannedSwapIn:
     consumers: tuple[str, ...]  # op names rewired to read the swap-in
     trigger: str  # op whose completion starts the swap-in (a control edge in the graph)
+    landing: str = ""  # an op that waits until the swap-in is on the GPU (stand-in plans; "" for none)
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,8 @@ class Plan:
             swaps = tuple(
                 PlannedSwap(
                     tensor=s["tensor"], bytes=int(s["bytes"]), near=tuple(s.get("near", ())),
-                    swap_ins=tuple(PlannedSwapIn(tuple(g["consumers"]), g["trigger"]) for g in s["swap_ins"]),
+                    swap_ins=tuple(PlannedSwapIn(tuple(g["consumers"]), g["trigger"], str(g.get("landing", "")))
+                                   for g in s["swap_ins"]),
                     sync_out=bool(s.get("sync_out", False)), waiters=tuple(s.get("waiters", ())),
                     gpu=str(s.get("gpu", "")),
                 )
@@ -162,7 +164,8 @@ def to_sim(plan_swaps, schedule: Schedule) -> list[SimSwap]:
         if swap.tensor not in ids:
             raise PlanError(f"the plan swaps {swap.tensor!r}, which is not a tensor of this graph's step")
         groups = tuple(
-            SwapIn(tuple(sorted(pos(c, "consumer") for c in g.consumers)), pos(g.trigger, "trigger"))
+            SwapIn(tuple(sorted(pos(c, "consumer") for c in g.consumers)), pos(g.trigger, "trigger"),
+                   pos(g.landing, "landing op") if g.landing else -1)
             for g in (swap.groups if isinstance(swap, PlannedRecompute) else swap.swap_ins)
         )
         if isinstance(swap, PlannedRecompute):
@@ -206,7 +209,8 @@ def from_sim(sim_swaps, schedule: Schedule) -> tuple[PlannedSwap, ...]:
             tensor=f"{schedule.names[t.producer]}:{t.output}",
             bytes=t.num_bytes,
             near=tuple(schedule.names[c] for c in s.near),
-            swap_ins=tuple(PlannedSwapIn(tuple(schedule.names[c] for c in g.consumers), schedule.names[g.trigger])
+            swap_ins=tuple(PlannedSwapIn(tuple(schedule.names[c] for c in g.consumers), schedule.names[g.trigger],
+                                         schedule.names[g.landing] if g.landing >= 0 else "")
                            for g in s.groups),
             sync_out=s.sync_out,
             waiters=tuple(schedule.names[w] for w in s.waiters),

@@ -121,6 +121,11 @@ class _Context:
         self._build_lifting()
         self._memo: dict[tuple, int | None] = {}
         self._recipes = None
+        # On the CPU stand-in a swap-out leaves only when an op waits for it: its send is an
+        # "expensive" CPU kernel, which the executor queues behind the chain of ops it runs inline,
+        # so an unwaited swap-out of a forward activation runs after the forward pass. (A GPU's
+        # executor runs every kernel inline as it becomes ready, sends included.)
+        self.waited_out = self.schedule.waited_sends
 
     @property
     def recipes(self):
@@ -136,6 +141,11 @@ class _Context:
                 self._recipes = recipes(self.view, self.schedule, alone, self.prepared.fused)
                 self.buffers = Buffers(self.schedule)
         return self._recipes
+
+    def sync_mode(self, asked: int) -> int:
+        """The TFLMS sync_mode to start searching from: on the stand-in, swap-outs are waited for
+        (mode 1 or 3: see :attr:`waited_out`)."""
+        return max(asked, 1) if self.waited_out else asked
 
     def any_trigger(self, latest: int, earliest: int) -> int | None:
         """The latest position in [earliest, latest] fit to trigger a swap-in, ancestor or not."""
@@ -316,7 +326,12 @@ def _gap_swap(ctx: _Context, cand: Candidate, p: int, result: SimResult,
     lo = bisect.bisect_left(starts, freed_at)
     waiters: tuple[int, ...] = ()
     stall = 0
-    if lo > p:
+    if ctx.waited_out:
+        # The swap-out leaves when p waits for it: p waits for the whole transfer.
+        if not ctx.can_wait(p, t.producer):
+            return None
+        waiters, lo, stall = (p,), p, transfer
+    elif lo > p:
         # The transfer cannot be done before p starts: p waits for the swap-out (a stall).
         if not ctx.can_wait(p, t.producer):
             return None
@@ -818,13 +833,16 @@ def _tune_one(prepared: Prepared, device: Device, options: TuneOptions, margin: 
             raise ValueError(f"unknown strategy {options.strategy!r}")
         if options.strategy == "tflms":
             try:
-                swaps, chosen, result = plan_tflms(ctx, budget_act, log, options.sync_mode)
+                swaps, chosen, result = plan_tflms(ctx, budget_act, log, ctx.sync_mode(options.sync_mode))
             except _Stuck as stuck:
                 raise NoFitError(_stuck_message(ctx, stuck, "tflms", budget_act, lb), bound_bytes=lb,
                                  binding_op=sched.names[stuck.position], budget_bytes=budget) from None
             params = chosen.__dict__.copy()
         else:
             swaps, result, params, limited = _best_plan(ctx, budget_act, baseline, log, options, lb)
+    if ctx.waited_out and swaps:
+        swaps = landed(ctx, swaps)
+        result = ctx.simulate(swaps)
     plan = Plan(
         model=prepared.model.name,
         graph_sha256=graph_fingerprint(prepared.graph_def),
@@ -838,6 +856,31 @@ def _tune_one(prepared: Prepared, device: Device, options: TuneOptions, margin: 
         predicted=predicted(baseline, result, budget),
     )
     return TuneResult(plan, baseline, result, budget, necessary, tuple(log), time_limited=limited)
+
+
+def landed(ctx: _Context, swaps) -> list:
+    """The stand-in's swap-ins, each made to land before the op after its trigger starts.
+
+    A swap-in reaches the stand-in on a transfer thread, and its buffer is taken wherever the
+    executor's own thread happens to be: in one run before an allocation, in the next after it,
+    so the allocator's free chunks split differently and a plan near its limit fitted in some runs
+    and not in others. An op that waits for the tensor to have landed (the next op after the
+    trigger, when it comes before the first consumer and may take a control edge) fixes that
+    place. Swap-ins inside cond branches or loops are left as they are."""
+    out = []
+    for swap in swaps:
+        if swap.recompute:
+            out.append(swap)
+            continue
+        groups = []
+        for group in swap.groups:
+            k = group.trigger + 1
+            if (k < group.consumers[0] and ctx.can_edge[k] and not ctx.tags[k] and not ctx.tags[group.trigger]
+                    and not any(ctx.tags[c] for c in group.consumers)):
+                group = replace(group, landing=k)
+            groups.append(group)
+        out.append(replace(swap, groups=tuple(groups)))
+    return out
 
 
 def _tune_each_gpu(prepared: Prepared, device: Device, options: TuneOptions, margin) -> TuneResult:
@@ -1063,7 +1106,7 @@ def _sources_back(ctx: _Context, recipe, current: dict, trig: int, result: SimRe
 
 def _tflms_candidate(ctx: _Context, budget_act: int, options: TuneOptions, found: list) -> None:
     try:
-        swaps, chosen, result = plan_tflms(ctx, budget_act, [], options.sync_mode)
+        swaps, chosen, result = plan_tflms(ctx, budget_act, [], ctx.sync_mode(options.sync_mode))
         found.append(("tflms", swaps, result, {"tflms_search": chosen.__dict__}, []))
     except _Stuck:
         pass

@@ -16,6 +16,12 @@ is done. The swap-in holds the host copy; the host-to-device copy happens when t
 run, just before ``B`` needs it. Waiters (``- - -`` control edges from the swap-out) stop ops from
 allocating before a swap-out has finished. Serialized levels chain ops with control edges.
 
+A swap-in with a landing op ``L`` (stand-in plans) is read on the GPU through an Identity that
+``L`` waits for, so the tensor lands before ``L`` allocates, in every run::
+
+    lms/swapin/P_0/0 (host) --> lms/landed/P_0/0 (Identity, GPU) --+--> B, C
+                                                                   + - - -> ^L
+
 A recomputation of ``t = R(Q(x))`` whose far consumer ``B`` runs late clones the chain::
 
     before                         after
@@ -168,6 +174,11 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
             control_edges += 1
             n_in += 1
             in_bytes += swap.bytes
+            if group.landing:  # read on the GPU through an Identity the landing op waits for
+                landed = unique(f"{SCOPE}landed/{_safe(producer)}_{output}/{g}")
+                add_identity(landed, swapin, dtype, nodes[producer].device)
+                add_control(group.landing, landed)
+                swapins[(producer, output, g)] = swapin = landed
             _rewire(nodes, group.consumers, refs, swapin, swap.tensor)
         waiters = list(swap.near) if swap.sync_out else []
         waiters += [w for w in swap.waiters if w not in waiters]

@@ -50,6 +50,9 @@ class Schedule:
     shares: tuple[int, ...] = ()  # executor model: per tensor, the tensor whose buffer it shares
     in_place: tuple[bool, ...] = ()  # executor model: per tensor, that link is an in-place reuse
     scratch: tuple[int, ...] = ()  # per position, kernel scratch bytes held while the op runs
+    # The CPU stand-in's executor: a swap-out's transfer starts only when an op waits for it (see
+    # lmscli.simulator); a GPU's starts when its producer ends.
+    waited_sends: bool = False
 
     def with_scratch(self, by_name: dict) -> "Schedule":
         """The same schedule with kernel scratch bytes per op name (e.g. measured on the stand-in)."""

@@ -18,6 +18,11 @@ Model of one training step (times are whole microseconds, so equal times are exa
   source from a swap-in (``via``) wait for it.
 * ``sync_out`` makes the near consumers wait for the swap-out as well; ``waiters`` are other ops
   that wait for it (so the GPU copy is gone before they allocate).
+* A swap-in's ``landing`` op waits until its transfer is done (stand-in plans: the transfer then
+  lands at one place in the order of allocations, not wherever it happens to arrive).
+* On the CPU stand-in (``schedule.waited_sends``) a swap-out starts only when the first op that
+  waits for it is reached (its send is an expensive CPU kernel, queued behind the ops the
+  executor runs inline), or at its first swap-in's trigger when nothing waits for it.
 
 At equal times allocations come before frees, as in Grappler's memory accounting: a chain of
 zero-time ops holds all its tensors at once. This is conservative and keeps our figures
@@ -37,6 +42,7 @@ from lmscli.schedule import Schedule
 class SwapIn:
     consumers: tuple[int, ...]  # positions served by this swap-in (sorted)
     trigger: int  # position of the op whose end starts the transfer
+    landing: int = -1  # position of an op that waits until the transfer is done (-1: none)
 
 
 @dataclass(frozen=True)
@@ -111,15 +117,24 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
     in_groups: dict[tuple[int, int], int] = {}  # (tensor, consumer position) -> group index
     triggered: dict[int, list[tuple[int, int]]] = {}  # trigger position -> [(tensor, group index)]
     sync_waits: dict[int, list[int]] = {}  # consumer position -> tensors whose swap-out it waits for
+    landings: dict[int, list[tuple[int, int]]] = {}  # position -> swap-ins it waits to have landed
     swapped_by_producer: dict[int, list[int]] = {}
+    sent_at: dict[int, list[int]] = {}  # waited sends: position -> tensors whose swap-out starts there
     for tid in sorted(swap_of):
         swap = swap_of[tid]
-        swapped_by_producer.setdefault(tensors[tid].producer, []).append(tid)
+        if schedule.waited_sends and not swap.recompute:
+            first = min((swap.near if swap.sync_out else ()) + swap.waiters, default=None)
+            if first is not None:
+                sent_at.setdefault(max(first, tensors[tid].producer + 1), []).append(tid)
+        else:
+            swapped_by_producer.setdefault(tensors[tid].producer, []).append(tid)
         for g, group in enumerate(swap.groups):
             trig = max(group.trigger, tensors[tid].producer)
             triggered.setdefault(trig, []).append((tid, g))
             for c in group.consumers:
                 in_groups[(tid, c)] = g
+            if group.landing >= 0:
+                landings.setdefault(group.landing, []).append((tid, g))
         if swap.recompute:
             continue  # its waiters (variable updates) run after the clones in the schedule's order
         for c in (swap.near if swap.sync_out else ()) + swap.waiters:
@@ -136,6 +151,11 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
     recompute_us = 0
     records = []
     for k in range(n):
+        for tid in sent_at.get(k, ()):  # the executor reaches an op waiting for these: they are sent
+            s = max(clock, d2h_free)
+            out_start[tid] = s
+            out_end[tid] = d2h_free = s + transfer_us(tensors[tid].num_bytes, link_bandwidth)
+            records.append(("out", tid, s, out_end[tid]))
         ready = clock
         for tid in schedule.inputs[k]:
             g = in_groups.get((tid, k))
@@ -143,6 +163,8 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
                 ready = max(ready, in_end[(tid, g)])
         for tid in sync_waits.get(k, ()):
             ready = max(ready, out_end[tid])
+        for key in landings.get(k, ()):
+            ready = max(ready, in_end.get(key, ready))
         start[k] = ready
         end[k] = clock = ready + schedule.compute[k]
         for tid in swapped_by_producer.get(k, ()):
@@ -162,6 +184,10 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
                 in_end[(tid, g)] = clock = ready + swap_of[tid].cost
                 recompute_us += swap_of[tid].cost
                 continue
+            if tid not in out_end:  # a waited send nothing waited for: it goes when the swap-in needs it
+                out_start[tid] = max(end[k], d2h_free)
+                out_end[tid] = d2h_free = out_start[tid] + transfer_us(tensors[tid].num_bytes, link_bandwidth)
+                records.append(("out", tid, out_start[tid], out_end[tid]))
             s = max(end[k], out_end[tid], h2d_free)
             in_start[(tid, g)] = s
             in_end[(tid, g)] = h2d_free = s + transfer_us(tensors[tid].num_bytes, link_bandwidth)
