@@ -97,33 +97,59 @@ def optimizer_culprits(prepared: Prepared, plan: Plan, rewritten, optimized=None
     return (), ()
 
 
-def run_peak(prepared: Prepared, rewritten, optimized, link_bandwidth: float = float("inf")) -> int | None:
-    """See :func:`lmscli.analysis.run_peak`, with transfers at ``link_bandwidth``. For the stand-in
-    (a step prepared with :func:`for_stand_in`) the rewritten step is observed itself, in one
-    traced CPU run: its swap nodes and trigger edges change the order the CPU executor picks (on a
-    residual MLP, a plan judged in the original's order needed 40% more than judged)."""
+def run_peak(prepared: Prepared, rewritten, optimized, link_bandwidth: float = float("inf"),
+             device: Device | None = None) -> int | None:
+    """The judge's figure for ``rewritten``: see :func:`lmscli.analysis.run_peak`, with transfers at
+    ``link_bandwidth``. For the stand-in (a step prepared with :func:`for_stand_in`) the judge is
+    the truth: :func:`stand_in_need` on ``device``."""
     from lmscli.analysis import run_peak as peak_of
 
-    if not prepared.observed_order:
+    if prepared.stand_in is None or device is None:
         return peak_of(prepared.model, rewritten, optimized, link_bandwidth=link_bandwidth,
                        known=prepared.view.tensor_facts())
-    from lmscli.prove.scratch import observe
-
-    seen = observe(rewritten, prepared.model.fetches, prepared.batch_size or 1)
-    return peak_of(prepared.model, rewritten, optimized, {**(prepared.scratch or {}), **seen.scratch}, seen.order,
-                   seen.micros, link_bandwidth, known=prepared.view.tensor_facts())
+    return stand_in_need(prepared, rewritten, device)
 
 
-def for_stand_in(prepared: Prepared) -> Prepared:
+STAND_IN_JUDGE_RUNS = 5  # fresh runs of a rewrite on the stand-in before its judge says it fits ...
+STAND_IN_JUDGE_STEPS = 2  # ... of this many training steps each, as `lms verify` runs
+
+
+@timed("judge on the stand-in")
+def stand_in_need(prepared: Prepared, rewritten, device: Device) -> int:
+    """The rewritten step run on the stand-in GPU as ``lms verify --gpu-mem`` will run it: under
+    the device's whole memory (in whole MiB), :data:`STAND_IN_JUDGE_RUNS` fresh runs of
+    :data:`STAND_IN_JUDGE_STEPS` steps. When every run fits, the budget (or the allocator's peak
+    bytes in use, if less); else the budget plus what the failed run lacked (what it had in use
+    and the request that failed, beyond the limit; 2% when unknown). The room between the budget
+    and the memory (``--reserve``) is what absorbs the runs' variation: the executor's order and
+    the moments transfers land vary, and with them the allocator's fragmentation (not even
+    monotonically: a plan can fit under one limit and not under a larger one, whose region splits
+    differently). So the judge runs the step under the very limit it will be proven at."""
+    from lmscli.prove.standin import MIB
+
+    limit = max(MIB, device.gpu_mem // MIB * MIB)
+    timing.step(f"running the rewritten step on the stand-in under {format_size(limit)}")
+    verdict = prepared.stand_in.run(rewritten, prepared.model.fetches, limit, batch_size=prepared.batch_size or 1,
+                                    runs=STAND_IN_JUDGE_RUNS, steps=STAND_IN_JUDGE_STEPS, peak=True)
+    if verdict.fits:
+        return min(verdict.peak_bytes or device.budget, device.budget)
+    return device.budget + max((verdict.need_bytes or 0) - limit, MIB, limit // 50)
+
+
+def for_stand_in(prepared: Prepared, stand_in=None) -> Prepared:
     """The step as the CPU stand-in GPU of ``lms verify --gpu-mem`` runs it: the kernel scratch of
     this machine's CPU kernels, the CPU executor's order and the CPU's op times, all observed in
-    one traced step (see :mod:`lmscli.prove.scratch`). For plans meant to be proven on the
-    stand-in (with the stand-in's link: :data:`lmscli.device.STAND_IN_LINK`)."""
-    from lmscli.prove.scratch import observe
+    one traced step on the stand-in itself (see :mod:`lmscli.prove.scratch`); plans for it are
+    judged by real runs there (:func:`stand_in_need`). For plans meant to be proven on the
+    stand-in (with the stand-in's link: :data:`lmscli.device.STAND_IN_LINK`). ``stand_in``: the
+    :class:`~lmscli.prove.standin.StandIn` to use (default: one shared by the process, stopped
+    at exit)."""
+    from lmscli.prove.standin import shared
 
+    stand_in = stand_in or shared()
     meta = with_graph_def(prepared.model.meta_graph, prepared.graph_def)
-    seen = observe(meta, prepared.model.fetches, prepared.batch_size or 1)
-    return prepared.observed(seen.order, seen.scratch, seen.micros)
+    seen = stand_in.observe(meta, prepared.model.fetches, batch_size=prepared.batch_size or 1)
+    return replace(prepared.observed(seen.order, seen.scratch, seen.micros), stand_in=stand_in)
 
 
 def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(), check: bool = True,
@@ -306,8 +332,9 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
                 continue
         if executor and not manual and len(prepared.schedules) <= 1 and prepared.run_peak_bytes is not None:
             # The judge: the executor model on the graph the Session runs (Grappler-optimized).
-            peak = (run_peak(prepared, meta, optimized, device.link_bandwidth) if result.plan.edits
-                    else prepared.run_peak_bytes)
+            # (On the stand-in the step is run even when nothing is planned: the truth, not a model.)
+            peak = (run_peak(prepared, meta, optimized, device.link_bandwidth, device)
+                    if result.plan.edits or prepared.stand_in is not None else prepared.run_peak_bytes)
             if peak is not None and not result.plan.edits and peak <= device.budget:
                 line = ("[LMS] [Simulator] LMS is not necessary: the graph TensorFlow runs after its optimizations "
                         f"needs {peak:,} bytes <= {device.budget:,}")
@@ -317,11 +344,18 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
                 result = replace(result, plan=replace(result.plan, predicted=dict(result.plan.predicted,
                                                                                    run_peak_bytes=peak)))
                 step = search.judged(result, peak)
+                if prepared.stand_in is not None and prepared.stand_in.last_verdict is not None:
+                    search.note = prepared.stand_in.last_verdict.message
                 timing.step(f"round {rounds}: the graph TensorFlow runs needs {format_size(peak)} "
                             f"(budget {format_size(device.budget)})")
                 if step is not None and search.found and timing.out_of_time():
                     step = None  # refining further would pass --time-limit
                     search.timed_out = True
+                if step is not None and not result.plan.edits:
+                    # Nothing was planned (the graph as written fits the planning budget): plan for
+                    # less than the graph as written needs, or the next round plans nothing again.
+                    written = result.baseline.peak_bytes
+                    step = search.margin = max(step, device.budget - written + device.budget // 200)
                 if step is not None:
                     margins[prepared.schedule.device] = step
                     try:
@@ -403,6 +437,7 @@ class _RunSearch:
         self.found: list = []
         self.last = None
         self.done = False  # settled on the best plan found
+        self.note = None  # what the stand-in said of the last plan it ran
         self.timed_out = False  # settled because --time-limit passed
 
     def judged(self, result, peak: int) -> int | None:
@@ -428,6 +463,10 @@ class _RunSearch:
     def best(self):
         if not self.found:
             peak = self.last.plan.predicted.get("run_peak_bytes")
+            if self.note:
+                raise NoFitError(f"the plans made ran out of memory on the stand-in after {self.rounds} round(s), the last "
+                                 f"one {self.note.replace('out of memory ', '', 1)}; try a slightly larger --gpu-mem "
+                                 "or leave more room (--reserve)", budget_bytes=self.budget)
             raise NoFitError(f"planned for the graph as written, but the graph TensorFlow runs after its optimizations "
                              f"still needs {peak:,} bytes > {self.budget:,} after {self.rounds} round(s); try a "
                              "slightly larger --gpu-mem", budget_bytes=self.budget)

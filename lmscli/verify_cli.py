@@ -177,12 +177,14 @@ def verify(original, rewritten, steps, batch_size, fetch, loss, no_measure, tf_o
 def _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, optimize, as_json, no_color) -> None:
     from lmscli.prove import verify as verifier
     from lmscli.prove import realmem
+    from lmscli.prove.standin import StandIn
 
-    prediction_a, observation = realmem.predict(model_a, batch_size)
-    prediction_b, _ = realmem.predict(model_b, batch_size, observation)
-    limit = _limit(gpu_mem, prediction_a.predicted_bytes)
-    proof = realmem.prove_at_limit(model_a, model_b, limit, steps=steps, runs=runs, batch_size=batch_size,
-                                   loss=loss, optimize=optimize)
+    with StandIn(optimize=optimize) as stand_in:
+        prediction_a, observation = realmem.predict(model_a, batch_size, stand_in=stand_in)
+        prediction_b, _ = realmem.predict(model_b, batch_size, observation, stand_in)
+        limit = _limit(gpu_mem, prediction_a.predicted_bytes)
+        proof = realmem.prove_at_limit(model_a, model_b, limit, steps=steps, runs=runs, batch_size=batch_size,
+                                       loss=loss, optimize=optimize, stand_in=stand_in)
     if as_json:
         doc = {"schema": "lms.verify", "version": 1, "identical": proof.identical,
                "first_difference": proof.difference, "first_different_variable": None, "steps": steps,

@@ -238,33 +238,32 @@ def test_a_broken_recomputation_is_refused(cnn):
 def test_a_recompute_only_plan_is_proven_under_a_hard_limit(tmp_path, runner):
     """Real memory: planned for the stand-in GPU with recomputation only, the rewrite trains under
     a hard limit at which the original runs out of memory, bit-identically. The limit is near the
-    peak: on this conv net the stand-in's CPU convolution scratch sets most of the need, and
-    recomputation (which never clones a convolution) frees the batch norm and ReLU outputs."""
+    peak: on this conv net the stand-in's CPU convolution scratch (a 27 MiB filter gradient
+    buffer, which must find one free chunk) sets much of the need, and recomputation (which never
+    clones a convolution) frees the batch norm and ReLU outputs. Planned with the default room
+    (--reserve) and judged by real runs on the stand-in."""
     from lmscli.prove.standin import MIB
 
-    path = _bn_cnn(tmp_path / "cnn64.meta", batch=64)
+    path = _bn_cnn(tmp_path / "cnn128.meta", batch=128)
     prepared = api.for_stand_in(api.prepare(api.load(str(path))))
     bound = api.analyze(prepared).lower_bound_bytes
-    out = tmp_path / "cnn64.lms.meta"
+    out = tmp_path / "cnn128.lms.meta"
     tried = []
-    # Stand-in plans follow one traced run's op order, and another run's order can need more
-    # (README, "Known limits"): as a user told to leave room, try a little higher when it does.
-    for share in (0.85, 0.9, 0.95):
+    for share in (0.8, 0.85, 0.9):  # as a user told "try a slightly larger --gpu-mem" when no plan comes
         limit = int(bound + share * (prepared.run_peak_bytes - bound)) // MIB * MIB
-        made = invoke(runner, "rewrite", path, out, "--gpu-mem", limit, "--reserve", "0", "--stand-in",
-                      "--strategy", "recompute", "--json")
+        made = invoke(runner, "rewrite", path, out, "--gpu-mem", limit, "--stand-in", "--strategy", "recompute",
+                      "--json")
         if made.exit_code != 0:
-            tried.append((limit, "no plan"))
+            tried.append((limit, made.stderr.strip()))
             continue
         plan = json.loads(made.stdout)["plan"]
         assert plan["recomputes"] and not plan["swaps"]
         checked = invoke(runner, "verify", path, out, "--gpu-mem", limit, "--json")
         proof = json.loads(checked.stdout)["limit"]
-        if checked.exit_code == 0 and proof["proven"]:
-            break
-        tried.append((limit, proof["line"]))
+        assert checked.exit_code == 0 and proof["proven"], proof["line"]  # a plan the stand-in judged fits
+        break
     else:
-        raise AssertionError(f"no recompute-only plan was proven: {tried}")
+        raise AssertionError(f"no recompute-only plan was made: {tried}")
     assert not proof["original"]["fits"] and proof["rewritten"]["fits"] and proof["identical"] is True
 
 

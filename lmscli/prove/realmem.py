@@ -42,15 +42,15 @@ class Prediction:
     grappler_bytes: int | None  # Grappler's static estimate plus variables (a second opinion)
 
 
-def predict(model, batch_size: int | None = None, observation=None) -> tuple[Prediction, object]:
+def predict(model, batch_size: int | None = None, observation=None, stand_in=None) -> tuple[Prediction, object]:
     """Predict one step of ``model`` (a loaded Model) on a GPU and on the stand-in. The stand-in's
-    figure follows what one traced CPU step of that graph shows (kernel scratch, the CPU
-    executor's order and op times: :func:`lmscli.prove.scratch.observe`); returns that
-    observation too."""
+    figure follows what one traced step of that graph on the stand-in shows (kernel scratch, the
+    CPU executor's order and op times: :meth:`lmscli.prove.standin.StandIn.observe`); returns that
+    observation too. ``stand_in``: the StandIn to observe on (default: the process's shared one)."""
     from lmscli import api, grappler
     from lmscli.prove import steps
     from lmscli.analysis import RUN_JUDGE_MAX_OPS, run_graph, run_peak_of
-    from lmscli.prove.scratch import observe
+    from lmscli.prove.standin import shared
     from lmscli.simulator import simulate
 
     meta, _ = steps.map_gpu_ops(model.meta_graph)
@@ -59,10 +59,9 @@ def predict(model, batch_size: int | None = None, observation=None) -> tuple[Pre
     schedule = prepared.schedule
     # Each graph is observed itself: a rewrite's swap nodes and trigger edges change the order the
     # CPU executor picks. A given observation lends its kernel scratch (the same kernels run).
-    own = observe(api.with_graph_def(meta, prepared.graph_def), model.fetches, batch_size or 1)
-    if observation is not None:
-        own = type(own)({**observation.scratch, **own.scratch}, own.order, own.micros)
-    observation = own
+    stand_in = stand_in or shared()
+    observation = stand_in.observe(api.with_graph_def(meta, prepared.graph_def), model.fetches,
+                                   batch_size=batch_size or 1).lending(observation)
     # The graph TensorFlow runs (Grappler-optimized) when it can be scheduled, else the graph as
     # written; it is prepared once for both figures.
     run = run_graph(model, api.with_graph_def(meta, prepared.graph_def), prepared.optimized,
@@ -116,7 +115,7 @@ def measure_need(models, batch_size: int | None = None, runs: int = 3, optimize:
     try:
         for k, model in enumerate(models):
             timing.step(f"{os.path.basename(model.path)} ({k + 1} of {len(models)}): predicting")
-            prediction, observation = predict(model, batch_size, observation)
+            prediction, observation = predict(model, batch_size, observation, stand_in)
             meta = _runnable(model)
             found = stand_in.find_min(meta, tuple(model.fetches), hint_bytes=prediction.predicted_standin_bytes,
                                       batch_size=batch_size or 1, runs=runs)

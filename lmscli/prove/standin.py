@@ -71,14 +71,15 @@ HOST_DEVICE = f"/job:{HOST_JOB}/replica:0/task:0/device:CPU:0"
 RETRY_S = 10.0  # TensorFlow's allocator retries a failing allocation this long
 _OOM_LINE = ") ran out of memory trying"
 _NOT_A_FAILURE = "caller indicates that this is not a failure"  # a tolerated failure (a kernel with a fallback)
-_TOLERATED_LOGGED = 10  # TensorFlow logs the first ten tolerated failures of a process, then no more
 _PROCESS_NODE = "] Process node: "  # the executor's log line (TF_CPP_VMODULE=executor=1) as it starts an op
 _NODE = re.compile(r"\{\{node ([^}]+)\}\}")
 _REQUEST = re.compile(r"\] AllocateRaw \S+ +(\d+)( \S+)?$")  # the allocator's log of a request (and its address)
-_GRACE_S = 0.2
+WAIT_S = 1.0  # an allocation waiting longer than this for memory to be returned is out of memory
+_LOG_HEAD = re.compile(r"^[IWEF]\d{4} \d+:\d+:(\d+\.\d+) +(\d+) ")  # glog: time since the epoch, thread
 _MAP = "memory-map"  # the prefix of the allocator's memory maps (TF_BFC_MEMORY_DUMP) in a server's files
 _POLL_S = 0.05
 _MAX_LIMIT = 1 << 40
+OBSERVE_REGION = 8 << 30  # the allocator's region in an observed step: as good as no limit
 
 
 class StandInError(LmsError):
@@ -100,6 +101,7 @@ class StepVerdict:
     seconds: float
     peak_bytes: int | None = None  # with peak=True: the allocator's peak bytes in use (initialisation and steps)
     results_differ: str | None = None  # what differs first between completed runs (they should be bit-identical)
+    need_bytes: int | None = None  # out of memory: the bytes in use plus the request that failed, when known
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,8 @@ class _Outcome:
     oom_node: str | None = None
     message: str | None = None
     peak_bytes: int | None = None
+    need_bytes: int | None = None  # out of memory: the bytes in use plus the request that failed
+    trace: object = None  # the first step's StepStats, when traced
 
 
 class _RunFailed(Exception):
@@ -292,32 +296,36 @@ class _Zygote:
 
 
 class _Watch(threading.Thread):
-    """Watches the stand-in during a run and kills it at its first failed allocation.
+    """Watches the stand-in during a run and kills it once an allocation has waited too long.
 
     The stand-in's BFC allocator writes a memory map (``TF_BFC_MEMORY_DUMP``) each time an
-    allocation finds no free chunk; TensorFlow would then wait 10 s for a concurrent free before
-    logging "ran out of memory". A map that no tolerated failure accounts for (a kernel asking
-    for optional scratch with a fallback logs "not a failure" right after its map) is an
-    out-of-memory at once: a step that only fits by waiting for a transfer to free memory would
-    stall a GPU, and the simulator does not count on such waits. Past TensorFlow's ten logged
-    tolerated failures the maps can no longer be told apart, and the watch falls back to the
-    allocator's own line. The executor's log (``Process node``) names the op that was running."""
+    allocation finds no free chunk; TensorFlow then retries it whenever memory is returned, for up
+    to 10 s, before logging "ran out of memory". The allocator logs each request and each grant,
+    and the executor each op it starts, all with their thread: a thread waiting in that retry logs
+    nothing more until its request is granted. So a memory map names a failed attempt, the requests
+    in flight then are its candidates, and a candidate is settled by its thread's next line (the
+    grant, or a kernel's fallback when the request was optional scratch). An allocation that
+    waits more than :data:`WAIT_S` is out of memory: a short wait for a transfer to return its
+    memory is what a GPU does too, a long one is not a step that fits. The run is then stopped at
+    once (not 10 s later), and the op, the request and the bytes in use are named."""
 
     def __init__(self, pair: _Pair):
         super().__init__(daemon=True)
         self.pair = pair
         self.oom_line: str | None = None
-        self.oom_node: str | None = None  # the op running at the first failed allocation
+        self.oom_node: str | None = None  # the op whose allocation waited too long, if an op's
+        self.need_bytes: int | None = None  # the bytes in use then plus the request (a floor of the need)
         self.died: str | None = None  # the job of a server that died on its own
         self._offset = 0
-        self._tolerated = 0  # allocation failures a kernel said were not failures
-        self._last_node: str | None = None
-        self._pending: int | None = None  # the bytes of a request not yet granted
-        self._suspect: float | None = None  # when the maps first outnumbered the tolerated failures
+        self._node: dict[str, str] = {}  # thread -> the op it last started
+        self._pending: dict[str, tuple[int, float]] = {}  # thread -> (bytes, time) of a request not granted
+        self._maps = 0  # memory maps seen
+        self._failed: list[tuple[float, str, dict]] = []  # unsettled failures: (time, map, candidates)
         self._stopped = threading.Event()
 
-    def scan(self) -> None:
-        """Read the whole lines the stand-in logged since the last scan, then its memory maps."""
+    def scan(self, final: bool = False) -> None:
+        """Read the whole lines the stand-in logged since the last scan, then its new memory maps,
+        and settle the failures that can be (``final``: the run is over)."""
         try:
             with open(self.pair.standin.log, "rb") as f:
                 f.seek(self._offset)
@@ -327,37 +335,56 @@ class _Watch(threading.Thread):
         data = data[: data.rfind(b"\n") + 1]
         self._offset += len(data)
         for line in data.decode(errors="replace").splitlines():
-            if _PROCESS_NODE in line:
-                found = _NODE.search(line)
-                if found:
-                    self._last_node = found.group(1)
-            elif "] AllocateRaw " in line:
-                found = _REQUEST.search(line.rstrip())
-                if found:
-                    self._pending = None if found.group(2) else int(found.group(1))
-            elif _OOM_LINE in line:
-                if _NOT_A_FAILURE in line:
-                    self._tolerated += 1
-                elif self.oom_line is None:
-                    self.oom_line = line.strip()
-                    self.oom_node = _oom_node(line) or self._last_node
-        if self.oom_line is None and self._tolerated < _TOLERATED_LOGGED:
-            self._check_maps()
-
-    def _check_maps(self) -> None:
+            self._read(line)
         maps = self.pair.standin.memory_maps()
-        if len(maps) <= self._tolerated:
-            self._suspect = None
+        for path in maps[self._maps:]:
+            at = _map_time(path)
+            self._failed.append((at, path, {t: r for t, r in self._pending.items() if r[1] <= at}))
+        self._maps = len(maps)
+        self._settle(time.time(), final)
+
+    def _read(self, line: str) -> None:
+        head = _LOG_HEAD.match(line)
+        if head is None:
             return
-        now = time.monotonic()
-        if self._suspect is None:
-            self._suspect = now  # a tolerated failure logs its line just after its map: give it time
-        elif now - self._suspect >= _GRACE_S:
-            in_use = _bytes_in_use(maps[self._tolerated])  # less the region the server holds itself
-            held = f" with {format_size(in_use)} in use" if in_use is not None else ""
-            asked = f" to allocate {format_size(self._pending)}" if self._pending else ""
-            self.oom_node = self._last_node
-            self.oom_line = f"ran out of memory trying{asked}{held}"
+        when, thread = float(head.group(1)), head.group(2)
+        for _at, _path, candidates in self._failed:
+            waiting = candidates.get(thread)
+            if waiting is not None and len(waiting) == 2:  # its thread goes on: settled now
+                candidates[thread] = (*waiting, when)
+        request = _REQUEST.search(line.rstrip()) if "] AllocateRaw " in line else None
+        if request is not None and not request.group(2):
+            self._pending[thread] = (int(request.group(1)), when)
+            return
+        self._pending.pop(thread, None)
+        if _PROCESS_NODE in line:
+            found = _NODE.search(line)
+            if found:
+                self._node[thread] = found.group(1)
+        elif _OOM_LINE in line and _NOT_A_FAILURE not in line and self.oom_line is None:
+            self._out_of_memory(line.strip(), _oom_node(line) or self._node.get(thread), None)
+
+    def _settle(self, now: float, final: bool) -> None:
+        still = []
+        for at, path, candidates in self._failed:
+            waiting = {t: c for t, c in candidates.items() if len(c) == 2}
+            waited = max([c[2] - at for c in candidates.values() if len(c) == 3] +
+                         [now - at for _ in waiting.values()] + [0.0])
+            if waited > WAIT_S and self.oom_line is None:
+                late = max(waiting.items() or candidates.items(), key=lambda tc: (len(tc[1]) == 2, tc[1][0]))
+                thread, (size, *_rest) = late
+                in_use = _bytes_in_use(path)
+                node = self._node.get(thread)
+                what = f" for {node}" if node else " (a tensor arriving from the host)"
+                held = f" with {format_size(in_use)} in use" if in_use is not None else ""
+                self._out_of_memory(f"ran out of memory trying to allocate {format_size(size)}{what}{held}", node,
+                                    in_use + size if in_use is not None else None)
+            elif waiting and not final:
+                still.append((at, path, candidates))
+        self._failed = still
+
+    def _out_of_memory(self, line: str, node: str | None, need: int | None) -> None:
+        self.oom_line, self.oom_node, self.need_bytes = line, node, need
 
     def run(self) -> None:
         while not self._stopped.wait(_POLL_S):
@@ -370,9 +397,16 @@ class _Watch(threading.Thread):
                 return
 
     def stop(self) -> None:
+        """Stop watching and read what is left: an allocation that waited too long counts even
+        when the step then went on (a concurrent free rescued it)."""
         self._stopped.set()
         self.join()
-        self.scan()
+        self.scan(final=True)
+
+
+def _map_time(path: str) -> float:
+    """When the allocator wrote a memory map (its name ends in microseconds since the epoch)."""
+    return int(path.rsplit(".", 1)[1]) / 1e6
 
 
 def _bytes_in_use(path: str) -> int | None:
@@ -461,6 +495,17 @@ def _oom_message(text: str, phase: str, limit_bytes: int | None, node: str | Non
 _OPEN: weakref.WeakSet = weakref.WeakSet()
 
 
+_SHARED: "StandIn | None" = None
+
+
+def shared() -> "StandIn":
+    """A StandIn shared by the whole process (opened on first use, stopped at exit)."""
+    global _SHARED
+    if _SHARED is None or _SHARED._closed:
+        _SHARED = StandIn()
+    return _SHARED
+
+
 @atexit.register
 def _close_all() -> None:
     for standin in list(_OPEN):
@@ -489,6 +534,7 @@ class StandIn:
         self._count = 0
         self._zygote: _Zygote | None = None
         self._closed = False
+        self.last_verdict: StepVerdict | None = None  # of the last call of run()
         _OPEN.add(self)
 
     def __enter__(self) -> "StandIn":
@@ -581,11 +627,14 @@ class StandIn:
             config.graph_options.rewrite_options.disable_meta_optimizer = True
         return tf.compat.v1.Session(pair.target, graph=graph, config=config)
 
-    def _train(self, pair: _Pair, prep: _Prepared, batch_size: int, steps: int) -> StepRun:
-        """Initialise the variables in one session, run the steps and read the results in another."""
+    def _train(self, pair: _Pair, prep: _Prepared, batch_size: int, steps: int, traced: list | None = None) -> StepRun:
+        """Initialise the variables in one session, run the steps and read the results in another.
+        ``traced``: a list that receives the first step's StepStats (a full trace of it)."""
         tf = tensorflow()
         g = prep.imported
         options = tf.compat.v1.RunOptions(timeout_in_ms=int(self.timeout_s * 1000))
+        tracing = tf.compat.v1.RunOptions(timeout_in_ms=int(self.timeout_s * 1000),
+                                          trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
         phase = "initialising variables"
         try:
             with self._session(pair, g.graph) as sess:
@@ -597,7 +646,11 @@ class StandIn:
                     fetch = {"train": g.targets, "outputs": prep.produced}
                     if g.loss is not None:
                         fetch["loss"] = g.loss
-                    out = sess.run(fetch, feed_dict=prep.feed(step, batch_size), options=options)
+                    metadata = tf.compat.v1.RunMetadata() if traced is not None and step == 0 else None
+                    out = sess.run(fetch, feed_dict=prep.feed(step, batch_size),
+                                   options=tracing if metadata is not None else options, run_metadata=metadata)
+                    if metadata is not None:
+                        traced.append(metadata.step_stats)
                     if g.loss is not None:
                         losses.append(np.asarray(out["loss"]))
                     if prep.produced:
@@ -610,13 +663,20 @@ class StandIn:
         return StepRun(tuple(losses), values, placements, tuple(outputs))
 
     def _run_once(self, prep: _Prepared, limit_bytes: int | None, batch_size: int, steps: int,
-                  peak: bool) -> _Outcome:
+                  peak: bool, trace: bool = False) -> _Outcome:
         pair = self._start(limit_bytes, peak)
         watch = _Watch(pair)
         watch.start()
+        traced: list | None = [] if trace else None
         try:
-            result = self._train(pair, prep, batch_size, steps)
-            return _Outcome(True, result, peak_bytes=pair.standin.peak_bytes() if peak else None)
+            result = self._train(pair, prep, batch_size, steps, traced)
+            watch.stop()
+            if watch.oom_line is not None:  # it fitted only by waiting for memory a transfer freed
+                return _Outcome(False, oom_node=watch.oom_node, need_bytes=watch.need_bytes,
+                                message=_oom_message(watch.oom_line, "running the step", limit_bytes, watch.oom_node)
+                                + " (the step went on once a transfer freed memory: it stalled)")
+            return _Outcome(True, result, peak_bytes=pair.standin.peak_bytes() if peak else None,
+                            trace=traced[0] if traced else None)
         except _RunFailed as failure:
             watch.stop()
             return self._classify(failure, watch, pair, limit_bytes)
@@ -633,7 +693,8 @@ class StandIn:
             line = str(exc).strip()
         if line is not None:
             node = node or _oom_node(line) or _oom_node(str(exc))
-            return _Outcome(False, oom_node=node, message=_oom_message(line, phase, limit_bytes, node))
+            return _Outcome(False, oom_node=node, message=_oom_message(line, phase, limit_bytes, node),
+                            need_bytes=watch.need_bytes)
         dead = watch.died or pair.dead()
         if dead:
             log = pair.standin.log if dead == STANDIN_JOB else pair.host.log
@@ -669,7 +730,23 @@ class StandIn:
         limit = _check_limit(limit_bytes)
         if runs < 1 or steps < 1:
             raise InputError("runs and steps must be at least 1")
-        return self._verdict(_prepare(meta_graph, fetches, loss), limit, batch_size, steps, runs, peak)
+        self.last_verdict = self._verdict(_prepare(meta_graph, fetches, loss), limit, batch_size, steps, runs, peak)
+        return self.last_verdict
+
+    def observe(self, meta_graph, fetches, *, batch_size: int = 1, loss: str | None = None):
+        """One training step of ``fetches`` traced on the stand-in, in fresh processes as every run
+        is: each op's kernel scratch, the order the stand-in's executor started the ops in, and their
+        times (an :class:`~lmscli.prove.scratch.Observation` of the stand-in's ops). The allocator
+        gets one region of :data:`OBSERVE_REGION` bytes (untouched pages cost nothing), so its
+        chunks are split to each request: a region grown on demand hands a 22.5 MiB request a
+        whole 32 MiB chunk, and the trace would count the chunk."""
+        from lmscli.prove.scratch import from_step_stats
+
+        outcome = self._run_once(_prepare(meta_graph, fetches, loss), OBSERVE_REGION, batch_size, 1, False,
+                                 trace=True)
+        if not outcome.fits or outcome.trace is None:
+            raise LmsError(f"the step does not run on the stand-in even without a limit: {outcome.message}")
+        return from_step_stats(outcome.trace, f"/job:{STANDIN_JOB}/")
 
     def find_min(self, meta_graph, fetches, *, hint_bytes: int | None = None, lo_bytes: int | None = None,
                  hi_bytes: int | None = None, batch_size: int = 1, runs: int = 3, resolution: int = MIB,
@@ -729,7 +806,8 @@ def _summarise(outcomes: list[_Outcome], limit: int | None, seconds: float) -> S
     peaks = [o.peak_bytes for o in done if o.peak_bytes is not None]
     return StepVerdict(not failed, limit, len(outcomes), len(failed), bool(done and failed),
                        first.oom_node if first else None, first.message if first else None,
-                       done[0].result if done else None, seconds, max(peaks) if peaks else None, differ)
+                       done[0].result if done else None, seconds, max(peaks) if peaks else None, differ,
+                       first.need_bytes if first else None)
 
 
 class _Search:
