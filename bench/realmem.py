@@ -4,10 +4,10 @@ For each graph, three graphs are measured by bisection on the stand-in (a Tensor
 process whose BFC allocator, the one GPUs use, has a hard limit; swaps go to a second process):
 
 * the original;
-* lms's plan at the smallest budget lms accepts (searched upwards from the lower bound in steps of
-  10% of it), planned with ``--stand-in`` (the CPU kernels' scratch buffers and the CPU executor's
-  order, observed in one traced step);
-* the TFLMS-style plan (``--strategy tflms``) at that budget, or the smallest above it it accepts.
+* lms's plan at the smallest ``--gpu-mem`` at which ``lms rewrite --stand-in`` finds one (searched
+  upwards from the lower bound in steps of 10% of it; default reserve): planned in the order and
+  with the kernel scratch observed on the stand-in, and judged by real runs there at that limit;
+* the TFLMS-style plan (``--strategy tflms``) at that limit, or the smallest above it it accepts.
 
 Beside each measured limit: what lms predicts for it (the executor model of the graph TensorFlow
 runs, with the CPU scratch) and Grappler's static estimate (plus variables). The lower bound is
@@ -41,7 +41,7 @@ GRAPHS = {
         ("residual MLP b4096 w512 (synthetic)", generated("synthetic", nodes=600, batch=4096, width=512)),
     ],
 }
-BUDGET_STEP = 0.10  # budgets tried: lower bound x (1, 1.10, 1.20, ...)
+BUDGET_STEP = 0.10  # limits tried: lower bound x (1, 1.10, 1.20, ...)
 MAX_TRIES = 8
 
 
@@ -69,18 +69,20 @@ def _measure(stand_in, model, label: str, observation, extra: dict) -> Measured:
                     probes=len(need.probes), varies=need.varies, seconds=need.seconds, **extra)
 
 
-def _smallest_plan(prepared, bound: int, strategy: str, budget_from: int | None = None):
-    """(budget, TuneResult) at the smallest budget from the lower bound up that lms accepts."""
+def _smallest_plan(prepared, bound: int, strategy: str, limit_from: int | None = None):
+    """(limit, TuneResult): the smallest limit, from the lower bound up, at which
+    ``lms rewrite --stand-in --gpu-mem LIMIT`` (default reserve) finds a plan: each plan is judged
+    by real runs on the stand-in under that limit."""
     from lmscli import api
     from lmscli.device import STAND_IN_LINK
     from lmscli.errors import NoFitError
 
-    start = budget_from or bound
+    start = limit_from or bound
     for k in range(MAX_TRIES):
-        budget = int(start * (1 + BUDGET_STEP * k))
+        limit = int(start * (1 + BUDGET_STEP * k)) // 2**20 * 2**20
         try:
-            return budget, api.tune(prepared, api.make_device(gpu_mem=budget, reserve=0.0, link=STAND_IN_LINK),
-                                    api.TuneOptions(strategy=strategy), check=False)
+            return limit, api.checked_tune(prepared, api.make_device(gpu_mem=limit, link=STAND_IN_LINK),
+                                           api.TuneOptions(strategy=strategy))
         except NoFitError:
             continue
     return None, None
@@ -95,18 +97,18 @@ def evaluate(label: str, spec, stand_in, log) -> dict:
     model, _ = load(spec)
     from lmscli.prove.scratch import Observation
 
-    prepared = api.for_stand_in(api.prepare(model))
+    prepared = api.for_stand_in(api.prepare(model), stand_in)
     observation = Observation(dict(prepared.scratch or {}), prepared.observed_order,
                               dict(prepared.observed_micros or {}))
     bound = api.analyze(prepared).lower_bound_bytes
     rows = [_measure(stand_in, model, "original", observation, {})]
     log(f"{label}: original needs {rows[0].min_limit_bytes:,} (predicted {rows[0].predicted_bytes:,})")
-    budget, lms_result = _smallest_plan(prepared, bound, "lms")
-    plans = [("lms", lms_result)]
+    limit, lms_result = _smallest_plan(prepared, bound, "hybrid")
+    plans = [("lms", limit, lms_result)]
     if lms_result is not None:
-        plans.append(("lms --strategy tflms", _smallest_plan(prepared, bound, "tflms", budget)[1]))
+        plans.append(("lms --strategy tflms", *_smallest_plan(prepared, bound, "tflms", limit)))
     with tempfile.TemporaryDirectory() as tmp:
-        for what, result in plans:
+        for what, limit, result in plans:
             if result is None:
                 rows.append(Measured(what, None, None, None, None, note="no plan within "
                                      f"{1 + BUDGET_STEP * (MAX_TRIES - 1):.2f}x the lower bound"))
@@ -116,9 +118,9 @@ def evaluate(label: str, spec, stand_in, log) -> dict:
             rewritten = api.load(path, fetch=list(model.fetches))
             row = _measure(stand_in, rewritten, what, observation,
                            {"swapped_bytes": result.plan.swap_out_bytes,
-                            "budget_bytes": result.plan.predicted["budget_bytes"]})
+                            "budget_bytes": limit})
             rows.append(row)
-            log(f"{label}: {what} at budget {row.budget_bytes:,} needs {row.min_limit_bytes:,} "
+            log(f"{label}: {what} made at {row.budget_bytes:,} needs {row.min_limit_bytes:,} "
                 f"(predicted {row.predicted_bytes:,})")
     return {"graph": label, "lower_bound_bytes": bound, "rows": [asdict(r) for r in rows]}
 
@@ -140,9 +142,10 @@ def markdown(results: list, seconds: float, quick: bool) -> str:
              "process; swaps to a second process; TensorFlow's optimizations on). *Predicted* is lms's executor "
              "model of the graph TensorFlow runs, with the CPU kernels' scratch buffers measured once (a GPU "
              "would need the *GPU* figure, without them). *Grappler* is TensorFlow's static estimate plus "
-             "variables. lms's plan is made at the smallest budget it accepts, from the lower bound up in steps "
-             "of 10%; the TFLMS-style plan (`--strategy tflms`) at that budget or the smallest above it that it "
-             "accepts. Both are planned with `--stand-in`. *(varies)*: the search saw a limit fit once and fail "
+             "variables. lms's plan is made by `lms rewrite --stand-in --gpu-mem LIMIT` (default reserve) at the "
+             "smallest LIMIT it accepts, from the lower bound up in steps of 10% (its judge ran each plan five "
+             "times under LIMIT on the stand-in); the TFLMS-style plan (`--strategy tflms`) at that limit or the "
+             "smallest above it that it accepts. *(varies)*: the search saw a limit fit once and fail "
              "when confirmed (the executor's order differs between runs).", "",
              "| graph | lower bound | what ran | measured | predicted | predicted vs measured | GPU "
              "figure | Grappler | × lower bound | × original |",
@@ -153,7 +156,7 @@ def markdown(results: list, seconds: float, quick: bool) -> str:
             m = row["min_limit_bytes"]
             pred = row["predicted_bytes"]
             diff = "-" if not m or not pred else f"{pred / m - 1:+.1%}"
-            what = row["what"] + (f" (budget {_mib(row['budget_bytes'])}, {_mib(row['swapped_bytes'])} swapped)"
+            what = row["what"] + (f" (made at {_mib(row['budget_bytes'])}, {_mib(row['swapped_bytes'])} swapped)"
                                   if row["budget_bytes"] else "") + (" (varies)" if row["varies"] else "")
             if row["note"]:
                 what += f": {row['note']}"

@@ -375,3 +375,41 @@ def test_functional_ifs_are_lowered_swapped_inside_and_stay_identical(tmp_path):
     before = steps.run_steps(as_written, model.fetches, steps=2)
     assert steps.first_difference(before, steps.run_steps(model.meta_graph, model.fetches, steps=2)) is None
     assert steps.first_difference(before, steps.run_steps(new_graph, model.fetches, steps=2)) is None
+
+
+def test_a_landing_op_waits_for_its_swap_in_and_training_stays_identical(samples, tmp_path):
+    """Stand-in plans give each swap-in a landing op: the consumers read the swap-in through an
+    Identity on the GPU (``lms/landed/...``) that the landing op waits for. The field survives the
+    plan's JSON, and the rewrite trains bit-identically."""
+    from dataclasses import replace
+
+    from lmscli.plan import Plan
+
+    model, prepared, result = _plan(samples, "cnn", "mid")
+    names, pos = prepared.schedule.names, {n: k for k, n in enumerate(prepared.schedule.names)}
+    swaps = []
+    for swap in result.plan.swaps:
+        groups = tuple(replace(g, landing=names[pos[g.trigger] + 1])
+                       if pos[g.trigger] + 1 < min(pos[c] for c in g.consumers) else g for g in swap.swap_ins)
+        swaps.append(replace(swap, swap_ins=groups))
+    plan = Plan.from_json(replace(result.plan, swaps=tuple(swaps)).to_json())
+    landings = [(s, g) for s in plan.swaps for g in s.swap_ins if g.landing]
+    assert landings, "no swap-in of the plan had room for a landing op"
+    new_graph, _report = api.rewrite(prepared, plan)
+    nodes = {n.name: n for n in new_graph.graph_def.node}
+    landed = [n for n in nodes.values() if n.name.startswith("lms/landed/")]
+    assert len(landed) == len(landings)
+    for node in landed:
+        assert node.op == "Identity" and node.input[0].startswith("lms/swapin/")
+        producer = nodes[node.input[0]].input[0].split(":")[0]
+        assert node.device == nodes[nodes[producer].input[0].split(":")[0]].device  # the producer's device
+    for swap, group in landings:
+        assert any(i.startswith("^lms/landed/") for i in nodes[group.landing].input)
+        for consumer in group.consumers:
+            assert any(i.split(":")[0].startswith("lms/landed/") for i in nodes[consumer].input)
+    out = tmp_path / "landed.meta"
+    api.save(model, new_graph, str(out))
+    original = api.with_graph_def(model.meta_graph, prepared.graph_def)
+    before = steps.run_steps(original, model.fetches, batch_size=4)
+    after = steps.run_steps(loader.load(str(out)).meta_graph, model.fetches, batch_size=4)
+    assert steps.first_difference(before, after) is None

@@ -89,6 +89,44 @@ def test_waiter_waits_for_the_swap_out():
     assert r.starts[2] >= 10  # waited for the 10 us swap-out
 
 
+def test_a_waited_send_leaves_when_its_waiter_is_reached():
+    # The CPU stand-in (waited_sends): the swap-out of a starts when the executor reaches c, the op
+    # that waits for it, not when a ends; c then waits for the whole 10 us transfer.
+    from dataclasses import replace
+
+    s = replace(schedule("abcde", [(0, 1000, [1, 4]), (1, 10, [2]), (2, 10, [3]), (3, 10, [4]), (4, 1, [])]),
+                waited_sends=True)
+    swap = SimSwap(0, near=(1,), groups=(SwapIn((4,), trigger=3),), waiters=(2,))
+    r = simulate(s, [swap], link_bandwidth=1e8)
+    out = next(t for t in r.transfers if t[0] == "out")
+    assert out[2] == pytest.approx(20e-6)  # b ends at 20 us: the executor reaches c and sends a
+    assert r.starts[2] == 30  # c waits until the 10 us transfer is done
+    on_gpu = replace(s, waited_sends=False)
+    assert next(t for t in simulate(on_gpu, [swap], 1e8).transfers if t[0] == "out")[2] == pytest.approx(10e-6)
+
+
+def test_an_unwaited_send_leaves_with_its_swap_in():
+    # Nothing waits for the swap-out: on the stand-in it goes when its swap-in is triggered, so a
+    # stays on the device until then (no memory saved between b and the trigger).
+    from dataclasses import replace
+
+    s = replace(schedule("abcde", [(0, 1000, [1, 4]), (1, 10, [2]), (2, 10, [3]), (3, 10, [4]), (4, 1, [])]),
+                waited_sends=True)
+    swap = SimSwap(0, near=(1,), groups=(SwapIn((4,), trigger=3),))
+    r = simulate(s, [swap], link_bandwidth=math.inf)
+    assert all(m >= 1000 for m in r.memory_by_position[:4])
+
+
+def test_a_landing_op_waits_for_its_swap_in():
+    # The swap-in of a (10 us at 1e8 B/s) is triggered by b and lands before c starts: c waits.
+    s = schedule("abcde", [(0, 1000, [1, 4]), (1, 10, [2]), (2, 10, [3]), (3, 10, [4]), (4, 1, [])])
+    free = simulate(s, [SimSwap(0, near=(1,), groups=(SwapIn((4,), trigger=1),))], link_bandwidth=1e8)
+    landed = simulate(s, [SimSwap(0, near=(1,), groups=(SwapIn((4,), trigger=1, landing=2),))], link_bandwidth=1e8)
+    transfer_in = next(t for t in landed.transfers if t[0] == "in")
+    done = round(transfer_in[3] * 1e6)  # seconds -> microseconds
+    assert landed.starts[2] >= done > free.starts[2]
+
+
 def test_simulate_is_pure():
     s = schedule("abcd", [(0, 100, [1, 3]), (1, 10, [2]), (2, 10, [3]), (3, 1, [])])
     swap = SimSwap(0, near=(1,), groups=(SwapIn((3,), trigger=1),))
