@@ -403,7 +403,7 @@ def test_a_landing_op_waits_for_its_swap_in_and_training_stays_identical(samples
         assert node.op == "Identity" and node.input[0].startswith("lms/swapin/")
         producer = nodes[node.input[0]].input[0].split(":")[0]
         assert node.device == nodes[nodes[producer].input[0].split(":")[0]].device  # the producer's device
-    for swap, group in landings:
+    for _swap, group in landings:
         assert any(i.startswith("^lms/landed/") for i in nodes[group.landing].input)
         for consumer in group.consumers:
             assert any(i.split(":")[0].startswith("lms/landed/") for i in nodes[consumer].input)
