@@ -30,8 +30,8 @@ TensorFlow's 10 s retry.
 Measured here (2 cores): the zygote starts in 2-4 s, once; a pair of servers in 0.03-0.08 s; a run
 that fits takes 0.2-0.6 s on the small samples (about 4.5 s on the ResNet-50 sample, whose log is
 4 MB), one that runs out of memory as long as the step up to it. CPU convolution backprop kernels
-allocate their scratch from the same allocator (27 MiB for a Conv2DBackpropFilter of the CNN sample): it counts, as cuDNN workspaces
-would on a GPU, and at small shapes it sets the minimum.
+allocate their scratch from the same allocator (27 MiB for a Conv2DBackpropFilter of the CNN
+sample): it counts, as cuDNN workspaces would on a GPU, and at small shapes it sets the minimum.
 """
 
 from __future__ import annotations
