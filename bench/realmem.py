@@ -53,6 +53,7 @@ class Measured:
     predicted_gpu_bytes: int | None  # the same without CPU scratch (what a GPU would need)
     grappler_bytes: int | None
     swapped_bytes: int = 0
+    recomputed_bytes: int = 0
     budget_bytes: int | None = None
     probes: int = 0
     varies: bool = False
@@ -118,6 +119,7 @@ def evaluate(label: str, spec, stand_in, log) -> dict:
             rewritten = api.load(path, fetch=list(model.fetches))
             row = _measure(stand_in, rewritten, what, observation,
                            {"swapped_bytes": result.plan.swap_out_bytes,
+                            "recomputed_bytes": result.plan.recompute_bytes,
                             "budget_bytes": limit})
             rows.append(row)
             log(f"{label}: {what} made at {row.budget_bytes:,} needs {row.min_limit_bytes:,} "
@@ -156,7 +158,8 @@ def markdown(results: list, seconds: float, quick: bool) -> str:
             m = row["min_limit_bytes"]
             pred = row["predicted_bytes"]
             diff = "-" if not m or not pred else f"{pred / m - 1:+.1%}"
-            what = row["what"] + (f" (made at {_mib(row['budget_bytes'])}, {_mib(row['swapped_bytes'])} swapped)"
+            what = row["what"] + (f" (made at {_mib(row['budget_bytes'])}, {_mib(row['swapped_bytes'])} swapped, "
+                                  f"{_mib(row.get('recomputed_bytes'))} recomputed)"
                                   if row["budget_bytes"] else "") + (" (varies)" if row["varies"] else "")
             if row["note"]:
                 what += f": {row['note']}"

@@ -75,6 +75,29 @@ def check_with_grappler(prepared: Prepared, plan: Plan, host_device: str = DEFAU
     return figures
 
 
+def _breaking(prepared: Prepared, plan: Plan) -> tuple[str, ...]:
+    """The tensors of a smallest part of ``plan``'s edits, found by halving, whose rewrite
+    Grappler's default optimizations fail on (all of them when no half fails alone)."""
+    from lmscli import grappler, optguard
+
+    every = [edit.tensor for edit in plan.edits]
+
+    def fails(keep: list) -> bool:
+        part = optguard.without(plan, set(every) - set(keep), ())
+        return grappler.optimize(rewrite(prepared, part, force=True)[0], prepared.model.fetches) is None
+
+    found = every
+    while len(found) > 1:
+        half = len(found) // 2
+        if fails(found[:half]):
+            found = found[:half]
+        elif fails(found[half:]):
+            found = found[half:]
+        else:
+            break
+    return tuple(found)
+
+
 def optimizer_culprits(prepared: Prepared, plan: Plan, rewritten, optimized=None) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The swapped tensors and serialized ops of ``plan`` that make Grappler's default
     optimizations treat ``rewritten`` differently from the original (see :mod:`lmscli.optguard`).
@@ -86,7 +109,9 @@ def optimizer_culprits(prepared: Prepared, plan: Plan, rewritten, optimized=None
     if optimized is None:
         optimized = grappler.optimize(rewritten, prepared.model.fetches)
     if optimized is None:
-        return (), ()
+        # Grappler optimizes the original but fails on the rewrite (a Session would then run it
+        # unoptimized, or with optimizers skipped): the edits that make it fail are the culprits.
+        return _breaking(prepared, plan), ()
     names = optguard.involved(prepared.optimized, optimized)
     if not names:
         return (), ()

@@ -129,6 +129,21 @@ def edge_safe(view: GraphView, schedule: Schedule, k: int) -> bool:
     return trigger_safe(view, schedule, k) and not view.conditional(schedule.nodes[k])
 
 
+# Ops that are, or that Grappler's constant folding turns into, constants. A control edge added
+# into one is moved by its constant folding and dependency optimizer, which can then build a
+# cycle (seen: a landing edge into the Const of a SquaredDifference gradient): such ops never
+# wait for a swap node.
+CONSTANT_LIKE_OPS = frozenset({"Const", "HostConst", "Shape", "ShapeN", "Size", "Rank"})
+
+
+def wait_safe(view: GraphView, schedule: Schedule, k: int, fused: frozenset = frozenset()) -> bool:
+    """May the op at ``k`` wait for a swap node (a swap-out's waiter, a swap-in's landing op)? An
+    op fit for control edges (:func:`edge_safe`) that is not constant-like and that Grappler's
+    optimizations keep (not in ``fused``, the nodes they fold or fuse away)."""
+    return (schedule.ops[k] not in CONSTANT_LIKE_OPS and schedule.names[k] not in fused
+            and trigger_safe(view, schedule, k))
+
+
 def trigger_safe(view: GraphView, schedule: Schedule, k: int) -> bool:
     """May the op at position ``k`` trigger a swap-in or wait for a swap-out when the branches
     agree (see :func:`branch_safe`)? A GPU op outside while loops that is not control flow."""

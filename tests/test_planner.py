@@ -238,3 +238,40 @@ def test_activations_fused_into_their_producer_stay_swappable():
     assert absorbed(view, view.index["relu"], fused)
     assert not absorbed(view, view.index["relu2"], fused)  # AddV2 -> Relu is not a fusion lms knows
     assert not absorbed(view, view.index["relu"], fused | {"bn"})  # its producer went too
+
+
+def test_stand_in_plans_never_make_constants_wait(tmp_path):
+    """Waiters and landing ops of stand-in plans (waited sends) are never constant-like ops or ops
+    Grappler folds away: a control edge from a swap node into the Const of a SquaredDifference
+    gradient made Grappler's constant folding and dependency optimizer build a cycle on a
+    transformer, and Grappler then refused the rewritten graph. Here the rewrite of such a plan
+    is optimized by Grappler like the original."""
+    import importlib.util
+    from dataclasses import replace
+
+    from lmscli import api, grappler
+    from lmscli.candidates import CONSTANT_LIKE_OPS
+    from lmscli.device import STAND_IN_LINK
+    from lmscli.planner import TuneOptions, tune
+    from tests.conftest import SAMPLES
+
+    spec = importlib.util.spec_from_file_location("lms_generate", SAMPLES / "generate.py")
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    path = tmp_path / "transformer.meta"
+    path.write_bytes(generate.build("transformer", batch=4, seq=128, d_model=128, heads=4, ffn=512, layers=2)
+                     .SerializeToString(deterministic=True))
+    prepared = api.prepare(api.load(str(path)))
+    sched = prepared.schedule
+    waited = replace(prepared, schedule=replace(sched, waited_sends=True),
+                     schedules=tuple(replace(s, waited_sends=True) for s in prepared.schedules))
+    facts = api.analyze(waited)
+    budget = int(facts.lower_bound_bytes + 0.3 * (facts.peak_bytes - facts.lower_bound_bytes))
+    result = tune(waited, api.make_device(gpu_mem=budget, reserve=0.0, link=STAND_IN_LINK), TuneOptions())
+    ops = dict(zip(sched.names, sched.ops))
+    waiting = [w for s in result.plan.swaps for w in s.waiters] + [g.landing for s in result.plan.swaps
+                                                                      for g in s.swap_ins if g.landing]
+    assert waiting and any(g.landing for s in result.plan.swaps for g in s.swap_ins)
+    assert not [w for w in waiting if ops[w] in CONSTANT_LIKE_OPS or w in prepared.fused]
+    meta, _ = api.rewrite(waited, result.plan)
+    assert grappler.optimize(meta, prepared.model.fetches) is not None
