@@ -131,15 +131,16 @@ def edge_safe(view: GraphView, schedule: Schedule, k: int) -> bool:
 
 # Ops that are, or that Grappler's constant folding turns into, constants. A control edge added
 # into one is moved by its constant folding and dependency optimizer, which can then build a
-# cycle (seen: a landing edge into the Const of a SquaredDifference gradient): such ops never
-# wait for a swap node.
+# cycle (seen: a landing edge into the Const of a SquaredDifference gradient on a transformer).
 CONSTANT_LIKE_OPS = frozenset({"Const", "HostConst", "Shape", "ShapeN", "Size", "Rank"})
 
 
-def wait_safe(view: GraphView, schedule: Schedule, k: int, fused: frozenset = frozenset()) -> bool:
-    """May the op at ``k`` wait for a swap node (a swap-out's waiter, a swap-in's landing op)? An
-    op fit for control edges (:func:`edge_safe`) that is not constant-like and that Grappler's
-    optimizations keep (not in ``fused``, the nodes they fold or fuse away)."""
+def landing_safe(view: GraphView, schedule: Schedule, k: int, fused: frozenset = frozenset()) -> bool:
+    """May the op at ``k`` be a swap-in's landing op (wait until the swap-in is on the GPU, so that
+    its own allocation comes after)? An op fit for control edges (:func:`trigger_safe`) that is not
+    constant-like and that Grappler's optimizations keep (not in ``fused``, names of the nodes they
+    fold or fuse away). (Waiters of swap-outs may be any op fit for control edges: a plan whose
+    rewrite Grappler then fails on is caught by the optimizer guard.)"""
     return (schedule.ops[k] not in CONSTANT_LIKE_OPS and schedule.names[k] not in fused
             and trigger_safe(view, schedule, k))
 

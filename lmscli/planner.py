@@ -30,7 +30,7 @@ import numpy as np
 from lmscli import timing
 from lmscli.analysis import Prepared, binding
 from lmscli.candidates import (COND_PRODUCERS, Candidate, Filters, boundary, branch_safe, candidates, edge_safe,
-                               trigger_safe, wait_safe)
+                               landing_safe, trigger_safe)
 from lmscli.device import Device
 from lmscli.errors import NoFitError
 from lmscli.plan import Plan, from_sim, graph_fingerprint, recomputes_from_sim
@@ -115,8 +115,7 @@ class _Context:
         self.can_edge = [ok or (bool(self.tags[k]) and trigger_safe(self.view, sched, k))
                          for k, ok in enumerate(self.can_trigger)]
         fused = frozenset(prepared.fused or ())
-        # Targets of control edges from swap nodes (waiters, landing ops): see wait_safe.
-        self.can_wait_at = [ok and wait_safe(self.view, sched, k, fused) for k, ok in enumerate(self.can_edge)]
+        self.can_land_at = [ok and landing_safe(self.view, sched, k, fused) for k, ok in enumerate(self.can_edge)]
         self._triggers = [k for k, ok in enumerate(self.can_trigger) if ok]
         ids = sorted(self.cands)
         self._cand_ids = np.array(ids, dtype=np.int64)
@@ -173,7 +172,7 @@ class _Context:
 
     def can_wait(self, p: int, producer: int) -> bool:
         """May the op at ``p`` wait for the swap-out of a tensor made at ``producer``?"""
-        return self.can_wait_at[p] and branch_safe(self.tags[producer], self.tags[p])
+        return self.can_edge[p] and branch_safe(self.tags[producer], self.tags[p])
 
     def live_candidates(self, p: int) -> list[int]:
         """Candidate tensors produced before ``p`` and read after it."""
@@ -637,7 +636,7 @@ def _us(seconds: float) -> int:
 def _late_free(ctx: _Context, chosen: dict, p: int, judged: _Judged) -> _Choice | None:
     """A swapped tensor whose GPU copy is still held at ``p`` because its swap-out is late
     (the device-to-host stream is busy): make ``p`` wait for that swap-out."""
-    if not ctx.can_wait_at[p]:
+    if not ctx.can_edge[p]:
         return None
     result, out_end = judged.result, judged.out_end
     best = None
@@ -873,7 +872,7 @@ def landed(ctx: _Context, swaps) -> list:
     so the allocator's free chunks split differently and a plan near its limit fitted in some runs
     and not in others. An op that waits for the tensor to have landed (the next op after the
     trigger, when it comes before the first consumer and may take a control edge) fixes that
-    place; constant-like ops and ops Grappler folds are passed over (:func:`wait_safe`), up to
+    place; constant-like ops and ops Grappler folds away are passed over (:func:`landing_safe`), up to
     :data:`LANDING_REACH` positions. Swap-ins inside cond branches or loops are left as they are."""
     out = []
     for swap in swaps:
@@ -884,7 +883,7 @@ def landed(ctx: _Context, swaps) -> list:
         for group in swap.groups:
             if not (ctx.tags[group.trigger] or any(ctx.tags[c] for c in group.consumers)):
                 k = next((k for k in range(group.trigger + 1, min(group.trigger + 1 + LANDING_REACH, group.consumers[0]))
-                          if ctx.can_wait_at[k] and not ctx.tags[k]), None)
+                          if ctx.can_land_at[k] and not ctx.tags[k]), None)
                 if k is not None:
                     group = replace(group, landing=k)
             groups.append(group)
