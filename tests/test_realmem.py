@@ -141,3 +141,30 @@ def test_measure_finds_the_smallest_limit(runner, samples):
     assert need["predicted_bytes"] > 0 and need["grappler_bytes"] > need["predicted_bytes"]
     assert [fits for _limit, fits in need["probes"]][-1] is True
     assert any(limit == need["min_limit_bytes"] - MIB and not fits for limit, fits in need["probes"])
+
+
+@pytest.fixture(scope="module")
+def attention(tmp_path_factory):
+    """The generator's transformer (two layers of attention and GELU MLP, layer norm): 23 MiB on
+    the stand-in, 9.6 MiB lower bound, no convolution scratch."""
+    return _generated(tmp_path_factory, "transformer", batch=4, seq=128, d_model=128, heads=4, ffn=512, layers=2)
+
+
+@pytest.mark.slow
+def test_an_attention_model_is_proven_under_a_hard_limit(attention, tmp_path):
+    """`lms rewrite --stand-in --gpu-mem 15MiB` on the transformer, then `lms verify --gpu-mem
+    15MiB`: the original runs out of memory there, the rewrite trains, bit-identical. (Its smallest
+    accepted limit measured 13-14 MiB, the original's need 23 MiB: bench/REAL-MEMORY.md.)"""
+    from click.testing import CliRunner
+
+    runner = CliRunner()
+    out = tmp_path / "transformer.lms.meta"
+    done = invoke(runner, "rewrite", attention, out, "--gpu-mem", "15MiB", "--stand-in", "--json")
+    assert done.exit_code == 0, done.output
+    plan = json.loads(done.stdout)["plan"]
+    landings = [g for s in plan["swaps"] for g in s["swap_ins"] if g.get("landing")]
+    assert plan["swaps"] and landings  # stand-in swap-ins land at a fixed place
+    checked = invoke(runner, "verify", attention, out, "--gpu-mem", "15MiB", "--json")
+    proof = json.loads(checked.stdout)["limit"]
+    assert checked.exit_code == 0 and proof["proven"], proof
+    assert not proof["original"]["fits"] and proof["rewritten"]["fits"] and proof["identical"] is True
