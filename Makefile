@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-export TF_CPP_MIN_LOG_LEVEL := 2
+export TF_CPP_MIN_LOG_LEVEL := 3
 
 .PHONY: install test demo samples lint bench bench-quick bench-real bench-speed bench-hybrid clean
 

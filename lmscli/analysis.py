@@ -493,6 +493,23 @@ def _branch_notes(prepared: Prepared) -> tuple[str, ...]:
             "swap-ins there are triggered from the same branch or from before the cond)",)
 
 
+def unknown_size_warning(prepared: Prepared) -> str | None:
+    """A warning when outputs of the step have sizes shape inference leaves unknown (counted as 0
+    bytes, so every figure is too small), naming the largest partly known one; None otherwise."""
+    view, found = prepared.view, []
+    for i in prepared.schedule.nodes:
+        for k, info in enumerate(view.outputs(i)):
+            if info.num_bytes is None:
+                found.append((-info.known_elements * info.itemsize, f"{view.names[i]}:{k}", info.shape))
+    if not found:
+        return None
+    _size, name, shape = min(found)
+    dims = "<unknown rank>" if shape is None else "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+    hint = "" if prepared.batch_size else "; give --batch-size N if the batch dimension is unknown"
+    return (f"{len(found)} tensor(s) of the step have an unknown size and count as 0 bytes, so every figure is "
+            f"too small (largest: {name} {dims}){hint}")
+
+
 def _loop_notes(view: GraphView, active) -> tuple[str, ...]:
     """Notes when the step runs v1 while loops: their trip counts, or that they are unknown."""
     if not any(view.frames[i] for i in active):

@@ -145,7 +145,8 @@ def stand_in_need(prepared: Prepared, rewritten, device: Device) -> int:
     the device's whole memory (in whole MiB), :data:`STAND_IN_JUDGE_RUNS` fresh runs of
     :data:`STAND_IN_JUDGE_STEPS` steps. When every run fits, the budget (or the allocator's peak
     bytes in use, if less); else the budget plus what the failed run lacked (what it had in use
-    and the request that failed, beyond the limit; 2% when unknown). The room between the budget
+    and the request that failed, beyond the limit; 2% when unknown); the runs themselves are recorded
+    in the plan (``predicted['stand_in']``). The room between the budget
     and the memory (``--reserve``) is what absorbs the runs' variation: the executor's order and
     the moments transfers land vary, and with them the allocator's fragmentation (not even
     monotonically: a plan can fit under one limit and not under a larger one, whose region splits
@@ -366,11 +367,15 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
                 result = replace(result, necessary=False, log=result.log + (line,),
                                  plan=replace(result.plan, predicted=dict(result.plan.predicted, run_peak_bytes=peak)))
             elif peak is not None:
-                result = replace(result, plan=replace(result.plan, predicted=dict(result.plan.predicted,
-                                                                                   run_peak_bytes=peak)))
+                figures = dict(result.plan.predicted, run_peak_bytes=peak)
+                verdict = prepared.stand_in.last_verdict if prepared.stand_in is not None else None
+                if verdict is not None:  # what the judge's real runs showed (run_peak_bytes: fits or not)
+                    figures["stand_in"] = {"limit_bytes": verdict.limit_bytes, "runs": verdict.runs,
+                                           "steps": STAND_IN_JUDGE_STEPS, "fits": verdict.fits,
+                                           "peak_in_use_bytes": verdict.peak_bytes, "failure": verdict.message}
+                    search.note = verdict.message
+                result = replace(result, plan=replace(result.plan, predicted=figures))
                 step = search.judged(result, peak)
-                if prepared.stand_in is not None and prepared.stand_in.last_verdict is not None:
-                    search.note = prepared.stand_in.last_verdict.message
                 timing.step(f"round {rounds}: the graph TensorFlow runs needs {format_size(peak)} "
                             f"(budget {format_size(device.budget)})")
                 if step is not None and search.found and timing.out_of_time():
@@ -480,6 +485,11 @@ class _RunSearch:
         step = peak - self.budget
         if step > 0:
             step = max(step, self.budget // 200)
+            # Plan the graph as written for less than this plan needs as written (its peak may sit
+            # well under the planning budget: a larger margin alone would give the same plan).
+            written = getattr(getattr(result, "result", None), "peak_bytes", None)
+            if written is not None:
+                step = max(step, self.budget - written + step - self.margin)
         if self.budget - (self.margin + step) <= self.floor:
             return None  # the graph as written would be planned for less than stays resident
         self.margin += step

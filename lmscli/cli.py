@@ -70,7 +70,9 @@ def cli(ctx, debug):
     """
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # TensorFlow's C++ errors stay off unless --debug: Grappler logs one for every candidate graph
+    # one of its optimizers gives up on, which lms detects and handles itself (the guard).
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2" if debug else "3")
     if ctx.invoked_subcommand in ("verify", "measure"):
         # oneDNN's CPU kernels may sum in another order for a buffer that arrived through a swap
         # (another address and alignment): 1e-7 differences that say nothing about the rewrite.
@@ -206,7 +208,7 @@ def plan_options(func):
     @click.option("--stand-in", "stand_in", is_flag=True,
                   help="Plan for the CPU stand-in GPU of `lms verify --gpu-mem`, not for a real GPU: count the scratch "
                        "buffers this machine's CPU kernels take and follow the CPU executor's op order, both observed "
-                       "in one traced step.")
+                       "in one traced step there, and judge each plan by five real runs under --gpu-mem.")
     @click.option("--no-grappler-check", is_flag=True, help="Skip Grappler's estimate of the plan (its second opinion).")
     @click.option("--time-limit", type=click.FloatRange(min=0.0, min_open=True), metavar="SECONDS",
                   help="Stop refining after SECONDS (counted from the start) and return the best fitting plan "
@@ -287,6 +289,15 @@ def _no_fit_json(schema: str, as_json: bool, verbose: bool = False):
         raise
 
 
+def _warn_unknown_sizes(prepared, quiet: bool) -> None:
+    """Say on stderr (unless -q) when tensors of the step have unknown sizes."""
+    from lmscli.analysis import unknown_size_warning
+
+    text = unknown_size_warning(prepared)
+    if text and not quiet:
+        click.echo(f"warning: {text}", err=True)
+
+
 def _log(lines, verbose: bool) -> None:
     if verbose:
         for line in lines:
@@ -324,8 +335,12 @@ def report_option(func):
 @model_options
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write a memory-over-time plot (.png or .svg).")
 @report_option
+@click.option("--stand-in", "stand_in", is_flag=True,
+              help="The step as the CPU stand-in GPU of `lms verify --gpu-mem` runs it (its kernels' scratch "
+                   "buffers and op order, observed in one traced step): the peak and lower bound that "
+                   "`--stand-in` plans work with.")
 @output_options
-def analyze(model, fmt, fetch, tag, batch_size, plot, report_file, as_json, verbose, quiet, no_color):
+def analyze(model, fmt, fetch, tag, batch_size, plot, report_file, stand_in, as_json, verbose, quiet, no_color):
     """Report a graph's size, levels, largest operation and peak memory without swapping."""
     from lmscli import api, report
     from lmscli.simulator import simulate
@@ -335,6 +350,8 @@ def analyze(model, fmt, fetch, tag, batch_size, plot, report_file, as_json, verb
         loaded = _load(model, fmt, fetch, tag)
     with progress.phase("inferring shapes and scheduling the step"):
         prepared = api.prepare(loaded, batch_size=batch_size)
+        if stand_in:
+            prepared = api.for_stand_in(prepared)
     with progress.phase("simulating the step"):
         baseline = simulate(prepared.schedule)
         result = api.analyze(prepared, baseline)
@@ -382,6 +399,7 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
     else:
         with progress.phase("inferring shapes and scheduling the step"):
             prepared = api.prepare(loaded, batch_size=batch_size, judge=judge)
+            _warn_unknown_sizes(prepared, quiet)
             if stand_in:
                 prepared = api.for_stand_in(prepared)
                 link = link or STAND_IN_LINK
@@ -456,6 +474,7 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
                          "pass --force to rewrite it again")
     with progress.phase("inferring shapes and scheduling the step"):
         prepared = api.prepare(loaded, batch_size=batch_size, judge=judge)
+        _warn_unknown_sizes(prepared, quiet)
         if stand_in:
             prepared = api.for_stand_in(prepared)
             link = link or STAND_IN_LINK

@@ -476,7 +476,7 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
             else:
                 since += 1
                 if since > STALL_JUDGEMENTS:  # re-simulations keep undoing the progress: give up
-                    raise _Stuck(int(np.argmax(judged.profile)), judged.result)
+                    raise _Stuck(int(np.argmax(judged.profile)), judged.result, judged.peak + judged.result.resident_bytes)
             profile = judged.profile.copy()
             excess = profile - budget_act
             if excess.max() <= 0:  # the peak falls between positions: nudge the profile
@@ -487,7 +487,7 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
         # (ops that ran before p at the same instant count as "before").
         worst = excess.max()
         if _round > max_rounds:
-            raise _Stuck(int(np.argmax(excess)), judged.result)
+            raise _Stuck(int(np.argmax(excess)), judged.result, judged.peak + judged.result.resident_bytes)
         plateau = np.flatnonzero(excess == worst)[::-1][:64]
         clipped = np.clip(excess, 0, None)
         ranked: list[_Choice] = []
@@ -498,7 +498,7 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
         if not ranked:
             p = int(plateau[0])
             if p in tried_positions or not chosen:
-                raise _Stuck(p, judged.result)
+                raise _Stuck(p, judged.result, int(judged.profile[p]) + judged.result.resident_bytes)
             # Timing may have drifted: re-simulate with what we have and retry once.
             tried_positions.add(p)
             judged = _judge(ctx, (c.swap for c in chosen.values()))
@@ -523,7 +523,7 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
             if profile[p] <= budget_act:
                 break
     else:  # pragma: no cover - bounded loop
-        raise _Stuck(int(np.argmax(profile)), judged.result)
+        raise _Stuck(int(np.argmax(profile)), judged.result, judged.peak + judged.result.resident_bytes)
 
     # Refinement: drop swaps the plan can do without, largest first.
     for tid in sorted(chosen, key=lambda t: (-chosen[t].size, t)):
@@ -661,10 +661,12 @@ def _late_free(ctx: _Context, chosen: dict, p: int, judged: _Judged) -> _Choice 
 
 
 class _Stuck(Exception):
-    def __init__(self, position: int, result: SimResult):
+    def __init__(self, position: int, result: SimResult, need_bytes: int | None = None):
         super().__init__(position)
         self.position = position
         self.result = result
+        # What the plan still needs there: the worse of timed and instant transfers, resident included.
+        self.need_bytes = result.peak_bytes if need_bytes is None else need_bytes
 
 
 # ---------------------------------------------------------------------------- tflms strategy
@@ -1131,7 +1133,7 @@ def _stuck_message(ctx: _Context, stuck: _Stuck, strategy: str, budget_act: int,
     planned = budget_act + sched.resident_bytes
     under = format_size(ctx.device.budget)
     kind = {"recompute": "recompute", "hybrid": "swap or recompute"}.get(strategy, "swap")
-    needs = f"the {strategy} strategy still needs {format_size(stuck.result.peak_bytes)}"
+    needs = f"the {strategy} strategy still needs {format_size(stuck.need_bytes)}"
     if abs(planned - ctx.device.budget) > ctx.device.budget // 200:  # the judge's margin moved it
         more = "more" if planned < ctx.device.budget else "less"
         under += (f" (the graph TensorFlow runs needs {more} than the graph as written, so it was planned as "

@@ -174,7 +174,11 @@ def render_tune(console: Console, result, details: dict | None = None) -> None:
     if result.judge == "grappler":
         verdict = "over, in the original op order; the plan's control edges reorder the step: see Grappler's estimate"
     run = pred.get("run_peak_bytes")
-    if run is not None:  # the executor judge: the graph the Session runs, after Grappler's optimizations
+    real = pred.get("stand_in")
+    if real:  # judged by real runs on the stand-in
+        t.add_row("judged on the stand-in", _stand_in_line(real))
+        t.add_row("predicted peak with plan", f"[bold]{format_size(pred['peak_bytes'])}[/] (as written)")
+    elif run is not None:  # the executor judge: the graph the Session runs, after Grappler's optimizations
         t.add_row("predicted peak with plan", f"[bold]{format_size(run)}[/] ({verdict}; the graph TensorFlow runs, "
                   f"optimized; {format_size(pred['peak_bytes'])} as written)")
     else:
@@ -280,9 +284,23 @@ def _swap_table(plan, levels: dict, limit: int = 15) -> Table:
     return table
 
 
+def _stand_in_line(real: dict) -> str:
+    """The stand-in judge's runs in words."""
+    limit = format_size(real["limit_bytes"]) if real.get("limit_bytes") else "no limit"
+    runs = f"{real['runs']} run(s) of {real['steps']} step(s) under {limit}"
+    if real["fits"]:
+        peak = real.get("peak_in_use_bytes")
+        return f"{runs}: trained" + (f", allocator peak {format_size(peak)} in use" if peak else "")
+    return f"{runs}: {real.get('failure') or 'out of memory'}"
+
+
 def tune_log_lines(result) -> Iterable[str]:
     yield from result.log
     pred = result.plan.predicted
+    if pred.get("stand_in"):
+        yield f"[LMS] Judged on the stand-in GPU: {_stand_in_line(pred['stand_in'])}"
+        yield f"[LMS] Predicted peak {format_size(pred['peak_bytes'])} as written; overhead {_pct(pred['overhead'])}"
+        return
     budget = ("with no budget (TFLMS parameters given)" if _unbounded(result.plan) else
               f"under a budget of {format_size(result.budget)}")
     peak, written = format_size(pred["peak_bytes"]), ""

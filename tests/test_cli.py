@@ -35,3 +35,28 @@ def test_usage_error_is_exit_2(runner):
 def test_console_script_entry_point():
     done = subprocess.run([sys.executable, "-m", "lmscli", "--version"], capture_output=True, text=True)
     assert done.returncode == 0 and __version__ in done.stdout
+
+
+def test_tensors_of_unknown_size_are_warned_about(runner, samples):
+    """A step with an unknown batch dimension counts those tensors as 0 bytes: tune and rewrite say
+    so on stderr (every figure would be too small), and --batch-size silences it."""
+    from tests.conftest import invoke
+
+    done = invoke(runner, "tune", samples / "unknown_batch.meta", "--gpu-mem", "16MiB")
+    assert "unknown size and count as 0 bytes" in done.stderr and "--batch-size" in done.stderr
+    fixed = invoke(runner, "tune", samples / "unknown_batch.meta", "--gpu-mem", "16MiB", "--batch-size", "4")
+    assert "unknown size" not in fixed.stderr
+
+
+def test_the_run_search_plans_below_a_plan_that_sits_under_its_budget():
+    """When the graph TensorFlow runs needs more than the budget, the next planning margin takes the
+    plan's own as-written peak into account: a plan sitting well under its planning budget would
+    otherwise come back unchanged round after round (a QA transformer failed at 75% that way)."""
+    from types import SimpleNamespace
+
+    from lmscli.api import _RunSearch
+
+    search = _RunSearch(budget=100_000, margin=0)
+    plan = SimpleNamespace(result=SimpleNamespace(peak_bytes=80_000))
+    margin = search.judged(plan, 105_000)
+    assert margin >= 100_000 - 80_000 + 5_000  # plan as written for at most 75,000

@@ -164,7 +164,22 @@ def test_an_attention_model_is_proven_under_a_hard_limit(attention, tmp_path):
     plan = json.loads(done.stdout)["plan"]
     landings = [g for s in plan["swaps"] for g in s["swap_ins"] if g.get("landing")]
     assert plan["swaps"] and landings  # stand-in swap-ins land at a fixed place
+    judged = plan["predicted"]["stand_in"]  # the judge's real runs, recorded in the plan
+    assert judged["fits"] and judged["runs"] == api.STAND_IN_JUDGE_RUNS and judged["limit_bytes"] == 15 * MIB
+    assert 0 < judged["peak_in_use_bytes"] <= 15 * MIB
     checked = invoke(runner, "verify", attention, out, "--gpu-mem", "15MiB", "--json")
     proof = json.loads(checked.stdout)["limit"]
     assert checked.exit_code == 0 and proof["proven"], proof
     assert not proof["original"]["fits"] and proof["rewritten"]["fits"] and proof["identical"] is True
+
+
+@pytest.mark.slow
+def test_analyze_on_the_stand_in_gives_its_own_figures(runner, attention):
+    """`lms analyze --stand-in`: the peak and lower bound of the step as the stand-in runs it (what
+    `--stand-in` plans work with)."""
+    done = invoke(runner, "analyze", attention, "--stand-in", "--json")
+    assert done.exit_code == 0, done.output
+    here = json.loads(done.stdout)
+    assert 0 < here["lower_bound_bytes"] <= here["peak_bytes"]
+    # The limit the attention test proves a plan at (15 MiB, 10% reserve) is within reach.
+    assert here["lower_bound_bytes"] <= 0.9 * 15 * MIB < here["peak_bytes"]

@@ -244,6 +244,11 @@ def measure_peak(meta_graph, fetches, batch_size: int = 1, order=None, warmup: i
     misplaced = [n for n in placed.swap_outs if n in ran and not ran[n].endswith(HOST_SUFFIX)]
     if misplaced:
         notes.append(f"{len(misplaced)} swap-outs did not run on the host (e.g. {misplaced[0]})")
+    idle = [n for n in swaps if n not in ran]
+    if idle:
+        notes.append(f"{len(idle)} of {len(swaps)} swap nodes did not run in the measured step (e.g. {idle[0]}): "
+                     "they sit in cond branches the step's inputs did not take, so neither the measurement nor "
+                     "the bit-for-bit comparison covers them")
     return MeasuredMemory(peak, max(resident, 0), peak_node, at_peak, curve, host_peak, placed.copies, placements,
                           tuple(notes))
 
