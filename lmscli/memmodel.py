@@ -182,3 +182,102 @@ def allocator_high_water(events, base: int = 0) -> int:
             chunks[address] = [size, False]
             bisect.insort(free, (size, address))
     return high + base
+
+
+LIMIT_RESOLUTION = 1 << 20  # limits are searched in whole MiB, as the stand-in takes them
+
+
+def fits_in_region(events, limit: int, base: int = 0) -> bool:
+    """Whether the step's allocations (``events``, as for :func:`allocator_high_water`, after
+    ``base`` bytes allocated first) all find room in a BFC allocator holding one region of exactly
+    ``limit`` bytes, as a GPU's does (and the stand-in's: see lmscli/prove/_server.py).
+
+    The same policy as :func:`allocator_high_water`, whose region has no end; here the region's
+    last free chunk is a chunk like the others: when it is less than twice a request it is handed
+    out whole, and what it has beyond the request is lost until it is freed::
+
+        | live | live | free 13.75 MiB |  an 8 MiB request takes all 13.75 MiB; the next 8 MiB
+                                          request finds no room, though 5.75 MiB sit unused
+    """
+    free: list[tuple[int, int]] = [(limit // ALIGNMENT * ALIGNMENT, 0)]  # (size, address)
+    chunks: dict[int, list] = {0: [free[0][0], False]}  # address -> [size, in use]
+    addresses = [0]
+    placed: dict = {}
+
+    def allocate(key, num_bytes: int) -> bool:
+        need = max(ALIGNMENT, rounded(num_bytes))
+        k = bisect.bisect_left(free, (need, -1))
+        if k == len(free):
+            return False
+        size, address = free.pop(k)
+        if size >= 2 * need or size - need >= SPLIT_ALWAYS:
+            chunks[address] = [need, True]
+            rest = address + need
+            chunks[rest] = [size - need, False]
+            bisect.insort(addresses, rest)
+            bisect.insort(free, (size - need, rest))
+        else:
+            chunks[address][1] = True
+        placed[key] = address
+        return True
+
+    def release(key) -> None:
+        address = placed.pop(key)
+        size = chunks[address][0]
+        i = bisect.bisect_left(addresses, address)
+        if i + 1 < len(addresses):
+            after = addresses[i + 1]
+            if not chunks[after][1]:
+                free.remove((chunks[after][0], after))
+                size += chunks.pop(after)[0]
+                addresses.pop(i + 1)
+        if i > 0:
+            before = addresses[i - 1]
+            if not chunks[before][1]:
+                free.remove((chunks[before][0], before))
+                size += chunks[before][0]
+                del chunks[address]
+                addresses.pop(i)
+                address = before
+        chunks[address] = [size, False]
+        bisect.insort(free, (size, address))
+
+    if base > 0 and not allocate(("resident",), base):
+        return False
+    for event in events:
+        key, delta = (event[2], event[3]), event[4]
+        if delta > 0:
+            if not allocate(key, delta):
+                return False
+        elif key in placed:
+            release(key)
+    return True
+
+
+def bounded_min_limit(events, base: int = 0, start: int = 0, reach: float = 0.5) -> int:
+    """About the smallest limit, in whole MiB from ``start`` up to ``reach`` beyond it, under which
+    :func:`fits_in_region` holds: steps of 1, 2, 4, ... MiB up from ``start`` until one fits, then
+    halving back between the last that did not and the first that did (fitting is not quite
+    monotone in the limit, so this is an estimate, as the stand-in's own bisection is); ``start``
+    when none does."""
+    first = -(-max(start, LIMIT_RESOLUTION) // LIMIT_RESOLUTION) * LIMIT_RESOLUTION
+    last = int(first * (1 + reach))
+    if fits_in_region(events, first, base):
+        return first
+    bad, step = first, LIMIT_RESOLUTION
+    good = None
+    while bad + step <= last:
+        if fits_in_region(events, bad + step, base):
+            good = bad + step
+            break
+        bad += step
+        step *= 2
+    if good is None:
+        return first
+    while good - bad > LIMIT_RESOLUTION:
+        mid = (bad + good) // 2 // LIMIT_RESOLUTION * LIMIT_RESOLUTION
+        if fits_in_region(events, mid, base):
+            good = mid
+        else:
+            bad = mid
+    return good

@@ -253,9 +253,10 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
     compute_us = sum(schedule.compute)
     allocator_peak = peak + schedule.resident_bytes
     if allocator and executor:
-        from lmscli.memmodel import allocator_high_water
+        from lmscli.memmodel import allocator_high_water, bounded_min_limit
 
         allocator_peak = max(allocator_peak, allocator_high_water(events, schedule.resident_bytes))
+        allocator_peak = bounded_min_limit(events, schedule.resident_bytes, start=allocator_peak)
     return SimResult(
         peak_bytes=peak + schedule.resident_bytes,
         activation_peak_bytes=peak,

@@ -223,6 +223,22 @@ def test_allocator_high_water_counts_fragmentation():
     assert allocator_high_water(events, base=100) == 2048 + 1024 + 100
 
 
+def test_a_bounded_region_hands_its_last_chunk_out_whole():
+    """One region of exactly the limit, as the stand-in's (and a GPU's): the free end of the
+    region is handed out whole when it is less than twice a request, and what it has beyond the
+    request is lost. Measured: an 8 MiB request took a 13.75 MiB chunk and the step ran out of
+    memory at 60 MiB, where the unbounded model said 55 MiB were enough."""
+    from lmscli.memmodel import allocator_high_water, bounded_min_limit, fits_in_region
+
+    mib = 1 << 20
+    events = [(0, 0, 1, 0, 10 * mib), (1, 0, 1, 1, 6 * mib), (2, 0, 1, 2, 8 * mib), (3, 0, 1, 3, 1 * mib)]
+    assert allocator_high_water(events) == 25 * mib
+    assert fits_in_region(events, 25 * mib + 1 * mib) is False  # 10 MiB free at c: handed out whole
+    assert fits_in_region(events, 32 * mib)  # 16 MiB free at c: split, 8 MiB left for d
+    assert bounded_min_limit(events, start=25 * mib) > 26 * mib
+    assert fits_in_region(events, bounded_min_limit(events, start=25 * mib))
+
+
 def test_simulate_reports_the_allocator_peak_on_request():
     s = executor("abcd", [(0, 1024, [1, 3]), (1, 1024, [2]), (2, 1536, [3]), (3, 256, [])],
                  op_types=["Conv2D", "Conv2D", "Conv2D", "AddN"])
