@@ -168,9 +168,12 @@ def test_an_attention_model_is_proven_under_a_hard_limit(attention, tmp_path):
     assert judged["fits"] and judged["runs"] == api.STAND_IN_JUDGE_RUNS and judged["limit_bytes"] == 15 * MIB
     assert 0 < judged["peak_in_use_bytes"] <= 15 * MIB
     checked = invoke(runner, "verify", attention, out, "--gpu-mem", "15MiB", "--json")
-    proof = json.loads(checked.stdout)["limit"]
+    doc = json.loads(checked.stdout)
+    proof = doc["limit"]
     assert checked.exit_code == 0 and proof["proven"], proof
     assert not proof["original"]["fits"] and proof["rewritten"]["fits"] and proof["identical"] is True
+    # The model of the stand-in predicted both: the rewrite within the limit, the original over it.
+    assert doc["rewritten"]["predicted_standin_bytes"] <= 15 * MIB < doc["original"]["predicted_standin_bytes"]
 
 
 @pytest.mark.slow
