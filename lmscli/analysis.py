@@ -495,18 +495,24 @@ def _branch_notes(prepared: Prepared) -> tuple[str, ...]:
 
 def unknown_size_warning(prepared: Prepared) -> str | None:
     """A warning when outputs of the step have sizes shape inference leaves unknown (counted as 0
-    bytes, so every figure is too small), naming the largest partly known one; None otherwise."""
+    bytes, so the figures are too small), naming the largest partly known one; None otherwise.
+    Outputs of unknown rank are left out (a FusedBatchNorm's reserve outputs, a few bytes); the
+    ``--batch-size`` hint comes only when a placeholder of the step has an unknown dimension (else
+    the sizes depend on the data, e.g. the number of unique ids)."""
     view, found = prepared.view, []
     for i in prepared.schedule.nodes:
         for k, info in enumerate(view.outputs(i)):
-            if info.num_bytes is None:
+            if info.num_bytes is None and info.shape is not None:
                 found.append((-info.known_elements * info.itemsize, f"{view.names[i]}:{k}", info.shape))
     if not found:
         return None
     _size, name, shape = min(found)
-    dims = "<unknown rank>" if shape is None else "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
-    hint = "" if prepared.batch_size else "; give --batch-size N if the batch dimension is unknown"
-    return (f"{len(found)} tensor(s) of the step have an unknown size and count as 0 bytes, so every figure is "
+    dims = "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+    placeholders = [i for i in prepared.schedule.nodes if view.ops[i] == "Placeholder"]
+    batch = any(info.shape is None or None in info.shape for i in placeholders for info in view.outputs(i))
+    hint = "; give --batch-size N for the unknown batch dimension" if batch and not prepared.batch_size else \
+        " (they depend on the data)" if not batch else ""
+    return (f"{len(found)} tensor(s) of the step have an unknown size and count as 0 bytes, so the figures are "
             f"too small (largest: {name} {dims}){hint}")
 
 

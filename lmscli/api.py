@@ -150,7 +150,10 @@ def stand_in_need(prepared: Prepared, rewritten, device: Device) -> int:
     and the memory (``--reserve``) is what absorbs the runs' variation: the executor's order and
     the moments transfers land vary, and with them the allocator's fragmentation (not even
     monotonically: a plan can fit under one limit and not under a larger one, whose region splits
-    differently). So the judge runs the step under the very limit it will be proven at."""
+    differently). So the judge runs the step under the very limit it will be proven at, and
+    treats runs whose peak in use leaves less than half the reserve (at least 1 MiB) free as not
+    fitting by that much: a QA Inception plan that trained 5 times at 98% of its limit then ran
+    out of memory in `lms verify`."""
     from lmscli.prove.standin import MIB
 
     limit = max(MIB, device.gpu_mem // MIB * MIB)
@@ -158,6 +161,11 @@ def stand_in_need(prepared: Prepared, rewritten, device: Device) -> int:
     verdict = prepared.stand_in.run(rewritten, prepared.model.fetches, limit, batch_size=prepared.batch_size or 1,
                                     runs=STAND_IN_JUDGE_RUNS, steps=STAND_IN_JUDGE_STEPS, peak=True)
     if verdict.fits:
+        # Runs that fit with little room left fail in some later run (the allocator's chunks split
+        # differently): the peak in use must leave half the reserve free (at least 1 MiB).
+        safe = limit - max(MIB, int(limit * device.reserve / 2))
+        if verdict.peak_bytes is not None and verdict.peak_bytes > safe:
+            return device.budget + max(verdict.peak_bytes - safe, MIB // 4)
         return min(verdict.peak_bytes or device.budget, device.budget)
     return device.budget + max((verdict.need_bytes or 0) - limit, MIB, limit // 50)
 
@@ -374,6 +382,10 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
                                            "steps": STAND_IN_JUDGE_STEPS, "fits": verdict.fits,
                                            "peak_in_use_bytes": verdict.peak_bytes, "failure": verdict.message}
                     search.note = verdict.message
+                    if verdict.fits and peak > device.budget and verdict.peak_bytes and verdict.limit_bytes:
+                        search.note = (f"trained, but with only {format_size(verdict.limit_bytes - verdict.peak_bytes)}"
+                                       f" free at its peak under {format_size(verdict.limit_bytes)} (too little "
+                                       "to hold in every run)")
                 result = replace(result, plan=replace(result.plan, predicted=figures))
                 step = search.judged(result, peak)
                 timing.step(f"round {rounds}: the graph TensorFlow runs needs {format_size(peak)} "
@@ -386,14 +398,19 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
                     # less than the graph as written needs, or the next round plans nothing again.
                     written = result.baseline.peak_bytes
                     step = search.margin = max(step, device.budget - written + device.budget // 200)
-                if step is not None:
+                replanned = False
+                while step is not None:
                     margins[prepared.schedule.device] = step
                     try:
                         result = plan_tune(prepared, device, options, margin=dict(margins))
-                        continue
+                        replanned = True
+                        break
                     except NoFitError:
-                        if not search.found:
+                        step = search.backoff()  # planned for too little: try half as far
+                        if step is None and not search.found:
                             raise
+                if replanned:
+                    continue
                 best = search.settle(rounds)
                 if best is not result:
                     result = best
@@ -468,6 +485,7 @@ class _RunSearch:
         self.last = None
         self.done = False  # settled on the best plan found
         self.note = None  # what the stand-in said of the last plan it ran
+        self.previous = margin  # the margin before the last step (see backoff)
         self.timed_out = False  # settled because --time-limit passed
 
     def judged(self, result, peak: int) -> int | None:
@@ -492,16 +510,25 @@ class _RunSearch:
                 step = max(step, self.budget - written + step - self.margin)
         if self.budget - (self.margin + step) <= self.floor:
             return None  # the graph as written would be planned for less than stays resident
+        self.previous = self.margin
         self.margin += step
+        return self.margin
+
+    def backoff(self) -> int | None:
+        """The planner found nothing at the last margin: half-way back to the one before, or None
+        once the two are within 0.5% of the budget."""
+        if self.margin - self.previous <= self.budget // 200:
+            return None
+        self.margin = (self.margin + self.previous) // 2
         return self.margin
 
     def best(self):
         if not self.found:
             peak = self.last.plan.predicted.get("run_peak_bytes")
             if self.note:
-                raise NoFitError(f"the plans made ran out of memory on the stand-in after {self.rounds} round(s), the last "
-                                 f"one {self.note.replace('out of memory ', '', 1)}; try a slightly larger --gpu-mem "
-                                 "or leave more room (--reserve)", budget_bytes=self.budget)
+                raise NoFitError(f"no plan made held on the stand-in after {self.rounds} round(s); the last one: "
+                                 f"{self.note}; try a slightly larger --gpu-mem or leave more room (--reserve)",
+                                 budget_bytes=self.budget)
             raise NoFitError(f"planned for the graph as written, but the graph TensorFlow runs after its optimizations "
                              f"still needs {peak:,} bytes > {self.budget:,} after {self.rounds} round(s); try a "
                              "slightly larger --gpu-mem", budget_bytes=self.budget)

@@ -60,3 +60,18 @@ def test_the_run_search_plans_below_a_plan_that_sits_under_its_budget():
     plan = SimpleNamespace(result=SimpleNamespace(peak_bytes=80_000))
     margin = search.judged(plan, 105_000)
     assert margin >= 100_000 - 80_000 + 5_000  # plan as written for at most 75,000
+
+
+def test_the_run_search_backs_off_when_the_planner_finds_nothing():
+    """After a margin step the planner cannot meet, the search tries half-way back to the margin
+    before it, down to steps of 0.5% of the budget, then gives up."""
+    from types import SimpleNamespace
+
+    from lmscli.api import _RunSearch
+
+    search = _RunSearch(budget=100_000, margin=0)
+    search.judged(SimpleNamespace(result=SimpleNamespace(peak_bytes=80_000)), 105_000)
+    steps = []
+    while (step := search.backoff()) is not None:
+        steps.append(step)
+    assert steps and steps == sorted(steps, reverse=True) and steps[-1] - 0 <= 2 * (100_000 // 200)
