@@ -130,58 +130,82 @@ def roots(schedule) -> tuple[int, ...]:
 SPLIT_ALWAYS = 128 << 20  # the BFC allocator splits a free chunk this much larger than the request
 
 
-def allocator_high_water(events, base: int = 0) -> int:
-    """Where the highest allocation of a step ends in a BFC allocator's one region: the smallest
-    limit under which the step's allocations (``events``, sorted ``(time, order, kind, id, delta)``)
-    all find room, fragmentation included, plus ``base`` (what is resident below them).
+class _Region:
+    """One region of a BFC allocator, as TensorFlow's (the one GPUs and the stand-in use) places
+    allocations in it: requests rounded to 256 bytes; the smallest free chunk that fits, lowest
+    address first; a chunk at least twice the request (or 128 MiB larger) is split, else handed out
+    whole; freed chunks merge with free neighbours. ``high`` is where the highest allocation ended."""
 
-    The allocator's policy, as TensorFlow's BFC allocator (the one GPUs and the stand-in use):
-    requests rounded to 256 bytes; the smallest free chunk that fits, lowest address first; a chunk
-    at least twice the request (or 128 MiB larger) is split, else handed out whole; freed chunks
-    merge with free neighbours. A large temporary in the middle of the step (a CPU convolution
-    gradient's 27 MiB buffer) can need a hole that the live tensors have cut into pieces."""
-    top = 1 << 62
-    free: list[tuple[int, int]] = [(top, 0)]  # (size, address), sorted: best fit is the first that fits
-    chunks: dict[int, list] = {0: [top, False]}  # address -> [size, in use]
-    addresses = [0]
-    placed: dict[tuple, int] = {}
-    high = 0
-    for event in events:
-        key, delta = (event[2], event[3]), event[4]
-        if delta > 0:
-            need = max(ALIGNMENT, rounded(delta))
-            size, address = free.pop(bisect.bisect_left(free, (need, -1)))
-            if size >= 2 * need or size - need >= SPLIT_ALWAYS:
-                chunks[address] = [need, True]
-                rest = address + need
-                chunks[rest] = [size - need, False]
-                bisect.insort(addresses, rest)
-                bisect.insort(free, (size - need, rest))
-            else:
-                chunks[address][1] = True
-            placed[key] = address
-            high = max(high, address + chunks[address][0])
-        elif key in placed:
-            address = placed.pop(key)
-            size = chunks[address][0]
-            i = bisect.bisect_left(addresses, address)
-            if i + 1 < len(addresses):
-                after = addresses[i + 1]
-                if not chunks[after][1]:
-                    free.remove((chunks[after][0], after))
-                    size += chunks.pop(after)[0]
-                    addresses.pop(i + 1)
-            if i > 0:
-                before = addresses[i - 1]
-                if not chunks[before][1]:
-                    free.remove((chunks[before][0], before))
-                    size += chunks[before][0]
-                    del chunks[address]
-                    addresses.pop(i)
-                    address = before
-            chunks[address] = [size, False]
-            bisect.insort(free, (size, address))
-    return high + base
+    def __init__(self, size: int):
+        self.free: list[tuple[int, int]] = [(size, 0)]  # (size, address): best fit is the first that fits
+        self.chunks: dict[int, list] = {0: [size, False]}  # address -> [size, in use]
+        self.addresses = [0]
+        self.placed: dict = {}
+        self.high = 0
+
+    def allocate(self, key, num_bytes: int) -> bool:
+        need = max(ALIGNMENT, rounded(num_bytes))
+        k = bisect.bisect_left(self.free, (need, -1))
+        if k == len(self.free):
+            return False
+        size, address = self.free.pop(k)
+        if size >= 2 * need or size - need >= SPLIT_ALWAYS:
+            self.chunks[address] = [need, True]
+            rest = address + need
+            self.chunks[rest] = [size - need, False]
+            bisect.insort(self.addresses, rest)
+            bisect.insort(self.free, (size - need, rest))
+        else:
+            self.chunks[address][1] = True
+        self.placed[key] = address
+        self.high = max(self.high, address + self.chunks[address][0])
+        return True
+
+    def release(self, key) -> None:
+        address = self.placed.pop(key)
+        chunks, addresses = self.chunks, self.addresses
+        size = chunks[address][0]
+        i = bisect.bisect_left(addresses, address)
+        if i + 1 < len(addresses):
+            after = addresses[i + 1]
+            if not chunks[after][1]:
+                self.free.remove((chunks[after][0], after))
+                size += chunks.pop(after)[0]
+                addresses.pop(i + 1)
+        if i > 0:
+            before = addresses[i - 1]
+            if not chunks[before][1]:
+                self.free.remove((chunks[before][0], before))
+                size += chunks[before][0]
+                del chunks[address]
+                addresses.pop(i)
+                address = before
+        chunks[address] = [size, False]
+        bisect.insort(self.free, (size, address))
+
+    def replay(self, events) -> bool:
+        """Place ``events`` (sorted ``(time, order, kind, id, delta)``); False at the first that
+        finds no room."""
+        for event in events:
+            key, delta = (event[2], event[3]), event[4]
+            if delta > 0:
+                if not self.allocate(key, delta):
+                    return False
+            elif key in self.placed:
+                self.release(key)
+        return True
+
+
+def allocator_high_water(events, base: int = 0) -> int:
+    """Where the highest allocation of a step ends in a BFC allocator's one region without end
+    (:class:`_Region`): the smallest limit under which the step's allocations (``events``, sorted
+    ``(time, order, kind, id, delta)``) all find room if the region's end did not matter, plus
+    ``base`` (what is resident below them). A large temporary in the middle of the step (a CPU
+    convolution gradient's 27 MiB buffer) can need a hole that the live tensors have cut into
+    pieces."""
+    region = _Region(1 << 62)
+    region.replay(events)
+    return region.high + base
 
 
 LIMIT_RESOLUTION = 1 << 20  # limits are searched in whole MiB, as the stand-in takes them
@@ -192,66 +216,16 @@ def fits_in_region(events, limit: int, base: int = 0) -> bool:
     ``base`` bytes allocated first) all find room in a BFC allocator holding one region of exactly
     ``limit`` bytes, as a GPU's does (and the stand-in's: see lmscli/prove/_server.py).
 
-    The same policy as :func:`allocator_high_water`, whose region has no end; here the region's
-    last free chunk is a chunk like the others: when it is less than twice a request it is handed
-    out whole, and what it has beyond the request is lost until it is freed::
+    The region's last free chunk is a chunk like the others: when it is less than twice a request
+    it is handed out whole, and what it has beyond the request is lost until it is freed::
 
         | live | live | free 13.75 MiB |  an 8 MiB request takes all 13.75 MiB; the next 8 MiB
                                           request finds no room, though 5.75 MiB sit unused
     """
-    free: list[tuple[int, int]] = [(limit // ALIGNMENT * ALIGNMENT, 0)]  # (size, address)
-    chunks: dict[int, list] = {0: [free[0][0], False]}  # address -> [size, in use]
-    addresses = [0]
-    placed: dict = {}
-
-    def allocate(key, num_bytes: int) -> bool:
-        need = max(ALIGNMENT, rounded(num_bytes))
-        k = bisect.bisect_left(free, (need, -1))
-        if k == len(free):
-            return False
-        size, address = free.pop(k)
-        if size >= 2 * need or size - need >= SPLIT_ALWAYS:
-            chunks[address] = [need, True]
-            rest = address + need
-            chunks[rest] = [size - need, False]
-            bisect.insort(addresses, rest)
-            bisect.insort(free, (size - need, rest))
-        else:
-            chunks[address][1] = True
-        placed[key] = address
-        return True
-
-    def release(key) -> None:
-        address = placed.pop(key)
-        size = chunks[address][0]
-        i = bisect.bisect_left(addresses, address)
-        if i + 1 < len(addresses):
-            after = addresses[i + 1]
-            if not chunks[after][1]:
-                free.remove((chunks[after][0], after))
-                size += chunks.pop(after)[0]
-                addresses.pop(i + 1)
-        if i > 0:
-            before = addresses[i - 1]
-            if not chunks[before][1]:
-                free.remove((chunks[before][0], before))
-                size += chunks[before][0]
-                del chunks[address]
-                addresses.pop(i)
-                address = before
-        chunks[address] = [size, False]
-        bisect.insort(free, (size, address))
-
-    if base > 0 and not allocate(("resident",), base):
+    region = _Region(limit // ALIGNMENT * ALIGNMENT)
+    if base > 0 and not region.allocate(("resident",), base):
         return False
-    for event in events:
-        key, delta = (event[2], event[3]), event[4]
-        if delta > 0:
-            if not allocate(key, delta):
-                return False
-        elif key in placed:
-            release(key)
-    return True
+    return region.replay(events)
 
 
 def bounded_min_limit(events, base: int = 0, start: int = 0, reach: float = 0.5) -> int:
