@@ -42,7 +42,7 @@ GRAPHS = {
     ],
 }
 BUDGET_STEP = 0.10  # limits tried: lower bound x (1, 1.10, 1.20, ...)
-MAX_TRIES = 8
+MAX_TRIES = 10
 
 
 @dataclass
