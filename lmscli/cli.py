@@ -337,8 +337,8 @@ def report_option(func):
 @report_option
 @click.option("--stand-in", "stand_in", is_flag=True,
               help="The step as the CPU stand-in GPU of `lms verify --gpu-mem` runs it (its kernels' scratch "
-                   "buffers and op order, observed in one traced step): the peak and lower bound that "
-                   "`--stand-in` plans work with.")
+                   "buffers and op order, observed in one traced step): the peak, and the lower bound before "
+                   "`--stand-in` planning leaves alone the tensors whose swap would change Grappler's optimizations.")
 @output_options
 def analyze(model, fmt, fetch, tag, batch_size, plot, report_file, stand_in, as_json, verbose, quiet, no_color):
     """Report a graph's size, levels, largest operation and peak memory without swapping."""

@@ -1138,7 +1138,7 @@ def _stuck_message(ctx: _Context, stuck: _Stuck, strategy: str, budget_act: int,
         more = "more" if planned < ctx.device.budget else "less"
         under += (f" (the graph TensorFlow runs needs {more} than the graph as written, so it was planned as "
                   f"{format_size(planned)} for the graph as written)")
-        needs += " there"
+        needs += " as written"
     return (f"no {kind} plan found under {under}: at "
             f"{sched.names[stuck.position]}{where} {needs} (lower bound {format_size(lb)}); "
             "try a larger --gpu-mem or a smaller batch")
