@@ -413,3 +413,28 @@ def test_a_landing_op_waits_for_its_swap_in_and_training_stays_identical(samples
     before = steps.run_steps(original, model.fetches, batch_size=4)
     after = steps.run_steps(loader.load(str(out)).meta_graph, model.fetches, batch_size=4)
     assert steps.first_difference(before, after) is None
+
+
+def test_a_rewrite_grappler_refuses_is_a_guard_failure(samples, monkeypatch):
+    """When Grappler's optimizations fail on a rewrite (a Session would run it unoptimized), the
+    guard names the swaps responsible, found by halving, rather than taking the failure as "no
+    change". Here Grappler is made to fail on any rewrite that swaps one chosen tensor."""
+    from lmscli import grappler
+    from lmscli.rewriter import SCOPE
+
+    model, prepared, result = _plan(samples, "cnn", "mid")
+    swaps = result.plan.swaps
+    assert len(swaps) >= 2
+    chosen = swaps[-1].tensor
+    marker = f"{SCOPE}swapout/{chosen.replace('/', '_').replace(':', '_')}"
+    real = grappler.optimize
+
+    def refusing(meta, fetches):
+        if any(node.name.startswith(marker) for node in meta.graph_def.node):
+            return None
+        return real(meta, fetches)
+
+    monkeypatch.setattr(grappler, "optimize", refusing)
+    rewritten, _ = api.rewrite(prepared, result.plan)
+    tensors, _ops = api.optimizer_culprits(prepared, result.plan, rewritten)
+    assert chosen in tensors and len(tensors) < len(swaps)
