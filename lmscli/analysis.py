@@ -493,6 +493,11 @@ def _branch_notes(prepared: Prepared) -> tuple[str, ...]:
             "swap-ins there are triggered from the same branch or from before the cond)",)
 
 
+def _dims(shape) -> str:
+    """A partly known shape as ``[?, 48, 48, 32]`` (``<unknown rank>`` when even its rank is unknown)."""
+    return "<unknown rank>" if shape is None else "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
 def unknown_size_warning(prepared: Prepared) -> str | None:
     """A warning when outputs of the step have sizes shape inference leaves unknown (counted as 0
     bytes, so the figures are too small), naming the largest partly known one; None otherwise.
@@ -507,13 +512,12 @@ def unknown_size_warning(prepared: Prepared) -> str | None:
     if not found:
         return None
     _size, name, shape = min(found)
-    dims = "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
     placeholders = [i for i in prepared.schedule.nodes if view.ops[i] == "Placeholder"]
     batch = any(info.shape is None or None in info.shape for i in placeholders for info in view.outputs(i))
     hint = "; give --batch-size N for the unknown batch dimension" if batch and not prepared.batch_size else \
         " (they depend on the data)" if not batch else ""
     return (f"{len(found)} tensor(s) of the step have an unknown size and count as 0 bytes, so the figures are "
-            f"too small (largest: {name} {dims}){hint}")
+            f"too small (largest: {name} {_dims(shape)}){hint}")
 
 
 def _loop_notes(view: GraphView, active) -> tuple[str, ...]:
@@ -568,9 +572,7 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
     for i in active:
         for k, info in enumerate(view.outputs(i)):
             if info.num_bytes is None:
-                shape = "<unknown rank>" if info.shape is None else "[" + ", ".join(
-                    "?" if d is None else str(d) for d in info.shape) + "]"
-                unknown.append(UnknownTensor(f"{view.names[i]}:{k}", shape, info.dtype,
+                unknown.append(UnknownTensor(f"{view.names[i]}:{k}", _dims(info.shape), info.dtype,
                                              info.known_elements * info.itemsize))
     unknown.sort(key=lambda u: (-u.known_bytes, u.name))
     top = []

@@ -441,6 +441,12 @@ class _Judged:
     def peak(self) -> int:
         return max(self.result.activation_peak_bytes, self.instant.activation_peak_bytes)
 
+    def stuck(self, position: int, at_position: bool = False) -> "_Stuck":
+        """Planning is stuck at ``position``: what the plan still needs is its judged peak (or, with
+        ``at_position``, what it needs there), resident bytes included."""
+        need = int(self.profile[position]) if at_position else self.peak
+        return _Stuck(position, self.result, need + self.result.resident_bytes)
+
 
 def _judge(ctx: _Context, swaps, detail: bool = True) -> _Judged:
     swaps = list(swaps)
@@ -476,7 +482,7 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
             else:
                 since += 1
                 if since > STALL_JUDGEMENTS:  # re-simulations keep undoing the progress: give up
-                    raise _Stuck(int(np.argmax(judged.profile)), judged.result, judged.peak + judged.result.resident_bytes)
+                    raise judged.stuck(int(np.argmax(judged.profile)))
             profile = judged.profile.copy()
             excess = profile - budget_act
             if excess.max() <= 0:  # the peak falls between positions: nudge the profile
@@ -487,7 +493,7 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
         # (ops that ran before p at the same instant count as "before").
         worst = excess.max()
         if _round > max_rounds:
-            raise _Stuck(int(np.argmax(excess)), judged.result, judged.peak + judged.result.resident_bytes)
+            raise judged.stuck(int(np.argmax(excess)))
         plateau = np.flatnonzero(excess == worst)[::-1][:64]
         clipped = np.clip(excess, 0, None)
         ranked: list[_Choice] = []
@@ -498,7 +504,7 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
         if not ranked:
             p = int(plateau[0])
             if p in tried_positions or not chosen:
-                raise _Stuck(p, judged.result, int(judged.profile[p]) + judged.result.resident_bytes)
+                raise judged.stuck(p, at_position=True)
             # Timing may have drifted: re-simulate with what we have and retry once.
             tried_positions.add(p)
             judged = _judge(ctx, (c.swap for c in chosen.values()))
@@ -523,7 +529,7 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
             if profile[p] <= budget_act:
                 break
     else:  # pragma: no cover - bounded loop
-        raise _Stuck(int(np.argmax(profile)), judged.result, judged.peak + judged.result.resident_bytes)
+        raise judged.stuck(int(np.argmax(profile)))
 
     # Refinement: drop swaps the plan can do without, largest first.
     for tid in sorted(chosen, key=lambda t: (-chosen[t].size, t)):

@@ -150,12 +150,18 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
     clock = 0
     recompute_us = 0
     records = []
+
+    def send(tid: int, at: int) -> None:
+        """Start the swap-out of ``tid`` on the device-to-host stream, at ``at`` or once it is free."""
+        nonlocal d2h_free
+        s = max(at, d2h_free)
+        out_start[tid] = s
+        out_end[tid] = d2h_free = s + transfer_us(tensors[tid].num_bytes, link_bandwidth)
+        records.append(("out", tid, s, out_end[tid]))
+
     for k in range(n):
         for tid in sent_at.get(k, ()):  # the executor reaches an op waiting for these: they are sent
-            s = max(clock, d2h_free)
-            out_start[tid] = s
-            out_end[tid] = d2h_free = s + transfer_us(tensors[tid].num_bytes, link_bandwidth)
-            records.append(("out", tid, s, out_end[tid]))
+            send(tid, clock)
         ready = clock
         for tid in schedule.inputs[k]:
             g = in_groups.get((tid, k))
@@ -171,10 +177,7 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
             if swap_of[tid].recompute:
                 out_start[tid] = out_end[tid] = end[k]  # nothing to copy: the GPU copy is free to go
                 continue
-            s = max(end[k], d2h_free)
-            out_start[tid] = s
-            out_end[tid] = d2h_free = s + transfer_us(tensors[tid].num_bytes, link_bandwidth)
-            records.append(("out", tid, s, out_end[tid]))
+            send(tid, end[k])
         # Swap-ins start in trigger order on the host-to-device stream.
         # Swap-ins first: clones may read one that this op's end starts.
         for tid, g in sorted(triggered.get(k, ()), key=lambda x: (swap_of[x[0]].recompute, x)):
@@ -185,9 +188,7 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
                 recompute_us += swap_of[tid].cost
                 continue
             if tid not in out_end:  # a waited send nothing waited for: it goes when the swap-in needs it
-                out_start[tid] = max(end[k], d2h_free)
-                out_end[tid] = d2h_free = out_start[tid] + transfer_us(tensors[tid].num_bytes, link_bandwidth)
-                records.append(("out", tid, out_start[tid], out_end[tid]))
+                send(tid, end[k])
             s = max(end[k], out_end[tid], h2d_free)
             in_start[(tid, g)] = s
             in_end[(tid, g)] = h2d_free = s + transfer_us(tensors[tid].num_bytes, link_bandwidth)

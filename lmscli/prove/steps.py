@@ -10,6 +10,7 @@ identity proof (:mod:`lmscli.prove.verify`), the in-process measurement
 
 from __future__ import annotations
 
+import heapq
 import re
 import zlib
 from dataclasses import dataclass
@@ -295,16 +296,13 @@ def _one_at_a_time(init, step) -> None:
     own = [op for op in _ancestors([init]) if op not in shared and op.type != "Placeholder"]
     mine = set(own)
     waiting = {op: sum(1 for dep in _deps(op) if dep in mine) for op in own}
-    ready = sorted(op.name for op, n in waiting.items() if n == 0)
+    ready = sorted(op.name for op, n in waiting.items() if n == 0)  # a sorted list is a heap
     by_name = {op.name: op for op in own}
     users: dict = {}
     for op in own:
         for dep in _deps(op):
             if dep in mine:
                 users.setdefault(dep, []).append(op)
-    import heapq
-
-    heapq.heapify(ready)
     previous = None
     while ready:
         op = by_name[heapq.heappop(ready)]
