@@ -59,6 +59,7 @@ DEFAULTS = {
     "unet3d": dict(batch=1, volume=32, channels=1, base_filters=8, levels=4),
     "unknown_batch": dict(image_size=28, channels=1, classes=10),
     "while_rnn": dict(batch=4, steps=8, input_dim=16, hidden=32, classes=10),
+    "stack_rnn": dict(batch=64, steps=128, input_dim=64, hidden=256, classes=10),
     "cond_cnn": dict(batch=4, image_size=16, channels=3, classes=10),
     "cond_branch": dict(batch=4, image_size=32, channels=3, classes=10, depth=6),
     "synthetic": dict(nodes=10000, batch=8, width=32),
@@ -516,6 +517,7 @@ _BODIES = {
     "unet3d": _unet3d,
     "unknown_batch": _unknown_batch,
     "while_rnn": _while_rnn,
+    "stack_rnn": _while_rnn,  # the same net over 128 steps: its gradient stacks are most of the peak
     "cond_cnn": _cond_cnn,
     "cond_branch": _cond_branch,
     "two_gpu_cnn": _two_gpu_cnn,
@@ -547,7 +549,7 @@ def _shape_args(model, kwargs):
 def _build_graph(model, args):
     """Builds a training model in a fresh graph; returns (graph, endpoints)."""
     g = tf.Graph()
-    cf = _control_flow_v1() if model in ("while_rnn", "cond_cnn", "cond_branch") else contextlib.nullcontext()
+    cf = _control_flow_v1() if model in ("while_rnn", "stack_rnn", "cond_cnn", "cond_branch") else contextlib.nullcontext()
     with cf, g.as_default():
         v1.set_random_seed(0)
         net = _Net()
@@ -589,7 +591,7 @@ def build(model, **shape_kwargs):
     """Builds one training graph and returns its ``MetaGraphDef``.
 
     ``model`` is one of ``mlp cnn resnet50 unet3d unknown_batch while_rnn
-    cond_cnn two_gpu_cnn transformer densenet synthetic``; shape keywords (see
+    stack_rnn cond_cnn two_gpu_cnn transformer densenet synthetic``; shape keywords (see
     ``DEFAULTS``) override the defaults, e.g. ``build('resnet50',
     image_size=2000, batch=1)``, ``build('unet3d', volume=128)``,
     ``build('transformer', seq=256, layers=4)``, ``build('synthetic', nodes=60000)``.
@@ -735,6 +737,7 @@ SAMPLES = {
     "frozen_cnn": (["frozen_cnn.pb", "frozen_cnn.pbtxt"], "frozen inference GraphDef of a small CNN"),
     "unknown_batch": (["unknown_batch.meta"], "small CNN with batch dimension None, GradientDescent"),
     "while_rnn": (["while_rnn.meta"], "RNN in a v1 while_loop (8 steps), GradientDescent"),
+    "stack_rnn": (["stack_rnn.meta"], "the same RNN over 128 steps, batch 64, hidden 256: gradient stacks are the peak"),
     "cond_cnn": (["cond_cnn.meta"], "small CNN with a v1 cond between two conv branches, Momentum"),
     "cond_branch": (["cond_branch.meta"], "CNN with a v1 cond, a 6-conv residual branch (the peak) or a 1x1 conv, Momentum"),
     "two_gpu_cnn": (["two_gpu_cnn.meta"], "5-conv CNN data parallel on /device:GPU:0 and GPU:1, variables on CPU:0, Momentum"),
@@ -838,9 +841,9 @@ _CLI_SHAPES = (
     ("volume", int, "3D volume edge (unet3d)"),
     ("base_filters", int, "filters of the first level (unet3d)"),
     ("levels", int, "levels (unet3d)"),
-    ("input_dim", int, "input features (mlp, while_rnn)"),
-    ("hidden", str, "hidden sizes, comma separated (mlp) or one size (while_rnn)"),
-    ("steps", int, "time steps (while_rnn)"),
+    ("input_dim", int, "input features (mlp, while_rnn, stack_rnn)"),
+    ("hidden", str, "hidden sizes, comma separated (mlp) or one size (while_rnn, stack_rnn)"),
+    ("steps", int, "time steps (while_rnn, stack_rnn)"),
     ("nodes", int, "approximate node count (synthetic)"),
     ("width", int, "block width (synthetic)"),
     ("seq", int, "sequence length (transformer)"),
@@ -902,7 +905,7 @@ def main(argv=None):
             continue
         if name == "hidden":
             parts = [int(s) for s in val.split(",") if s]
-            val = parts[0] if a.model == "while_rnn" else tuple(parts)
+            val = parts[0] if a.model in ("while_rnn", "stack_rnn") else tuple(parts)
         shape_kwargs[name] = val
 
     v1.disable_eager_execution()
