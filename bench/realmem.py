@@ -36,6 +36,7 @@ GRAPHS = {
                                                     layers_per_block=4)),
         ("transformer b4 s128 d128 2 layers", generated("transformer", batch=4, seq=128, d_model=128, heads=4,
                                                          ffn=512, layers=2)),
+        ("tanh RNN b64 h256, 128 steps (stack_rnn sample)", generated("stack_rnn")),
     ],
     "quick": [
         ("residual MLP b4096 w512 (synthetic)", generated("synthetic", nodes=600, batch=4096, width=512)),
@@ -54,6 +55,7 @@ class Measured:
     grappler_bytes: int | None
     swapped_bytes: int = 0
     recomputed_bytes: int = 0
+    hosted_bytes: int = 0  # what gradient stacks kept on the host hold
     budget_bytes: int | None = None
     probes: int = 0
     varies: bool = False
@@ -120,6 +122,7 @@ def evaluate(label: str, spec, stand_in, log) -> dict:
             row = _measure(stand_in, rewritten, what, observation,
                            {"swapped_bytes": result.plan.swap_out_bytes,
                             "recomputed_bytes": result.plan.recompute_bytes,
+                            "hosted_bytes": sum(h.bytes for h in result.plan.host_stacks),
                             "budget_bytes": limit})
             rows.append(row)
             log(f"{label}: {what} made at {row.budget_bytes:,} needs {row.min_limit_bytes:,} "
@@ -159,7 +162,9 @@ def markdown(results: list, seconds: float, quick: bool) -> str:
             pred = row["predicted_bytes"]
             diff = "-" if not m or not pred else f"{pred / m - 1:+.1%}"
             what = row["what"] + (f" (made at {_mib(row['budget_bytes'])}, {_mib(row['swapped_bytes'])} swapped, "
-                                  f"{_mib(row.get('recomputed_bytes'))} recomputed)"
+                                  f"{_mib(row.get('recomputed_bytes'))} recomputed"
+                                  + (f", {_mib(row['hosted_bytes'])} of loop stacks on the host"
+                                     if row.get("hosted_bytes") else "") + ")"
                                   if row["budget_bytes"] else "") + (" (varies)" if row["varies"] else "")
             if row["note"]:
                 what += f": {row['note']}"

@@ -11,11 +11,12 @@ import bisect
 import functools
 from dataclasses import asdict, dataclass, field, replace
 
+from lmscli import hoststacks
 from lmscli.candidates import Filters, candidates
 from lmscli.errors import InputError
 from lmscli.graphview import VARIABLE_OPS, GraphView
 from lmscli.loader import Model
-from lmscli.schedule import Schedule, build_schedules, variable_bytes
+from lmscli.schedule import STORAGE_OUTPUT, Schedule, build_schedules, variable_bytes
 from lmscli.simulator import SimResult, simulate
 from lmscli.timing import timed
 
@@ -296,6 +297,9 @@ class Analysis:
     peak_in_branches: int = 0  # bytes live at the peak made inside v1 cond branches (lms swaps there)
     peak_in_loops: int = 0  # bytes live at the peak made inside v1 while loops (stacks and arrays included; not swapped)
     peak_from_calls: int = 0  # bytes live at the peak returned by function calls (their bodies are not counted)
+    peak_in_host_stacks: int = 0  # of peak_in_loops, what gradient stacks keep that lms can move to the host
+    host_stacks: int = 0  # gradient stacks of v1 while loops lms can keep on the host
+    host_stack_bytes: int = 0  # what they keep over one step (the lower bound has them on the host)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -558,6 +562,14 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
         param_bytes = sum(variable_bytes(view, i) for i in var_nodes if view.names[i] in trainable)
     cands = candidates(view, schedule, filters, prepared.fused, untaken=prepared.untaken)
     lb, lb_pos = lower_bound(prepared, set(cands), result)
+    stacks = hoststacks.hostable(view, prepared.dead | prepared.untaken)
+    if stacks and len(prepared.schedules or (schedule,)) <= 1:
+        # The bound of a plan that also keeps every such stack on the host (its ops keep their positions).
+        hosted = hoststacks.hosting(schedule, view, stacks)
+        hosted_cands = candidates(view, hosted, filters, prepared.fused, untaken=prepared.untaken)
+        lb, lb_pos = min((lb, lb_pos), lower_bound(replace(prepared, schedule=hosted, schedules=(hosted,)),
+                                                   set(hosted_cands)), key=lambda b: b[0])
+    hosted_pushes = {p for h in stacks for p in h.pushes}
     devices = []
     for other in prepared.schedules or (schedule,):
         if other is schedule:
@@ -583,11 +595,13 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
     from lmscli.grappler import call_ops
 
     callers = call_ops(view.library)
-    in_branches = in_loops = from_calls = 0
+    in_branches = in_loops = from_calls = in_stacks = 0
     for _kind, tid, size in result.live_at_peak:
         node = schedule.nodes[schedule.tensors[tid].producer]
         if view.in_loop(node):
             in_loops += size
+            if schedule.tensors[tid].output == STORAGE_OUTPUT and node in hosted_pushes:
+                in_stacks += size
         elif view.conditional(node):
             in_branches += size
         if view.ops[node] in callers:
@@ -623,6 +637,9 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
         peak_in_branches=in_branches,
         peak_in_loops=in_loops,
         peak_from_calls=from_calls,
+        peak_in_host_stacks=in_stacks,
+        host_stacks=sum(len(h.stacks) for h in stacks),
+        host_stack_bytes=sum(h.num_bytes for h in stacks),
         swappable_tensors=len(cands),
         swappable_bytes=sum(schedule.tensors[t].num_bytes for t in cands),
         unknown_tensors=len(unknown),

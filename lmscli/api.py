@@ -80,7 +80,7 @@ def _breaking(prepared: Prepared, plan: Plan) -> tuple[str, ...]:
     Grappler's default optimizations fail on (all of them when no half fails alone)."""
     from lmscli import grappler, optguard
 
-    every = [edit.tensor for edit in plan.edits]
+    every = [edit.tensor for edit in plan.edits] + [h.stack for h in plan.host_stacks]
 
     def fails(keep: list) -> bool:
         part = optguard.without(plan, set(every) - set(keep), ())
@@ -104,7 +104,7 @@ def optimizer_culprits(prepared: Prepared, plan: Plan, rewritten, optimized=None
     ``optimized``: what those optimizations make of ``rewritten``, if already known."""
     from lmscli import grappler, optguard
 
-    if prepared.optimized is None or not (plan.edits or plan.serialize):
+    if prepared.optimized is None or not (plan.changes or plan.serialize):
         return (), ()
     if optimized is None:
         optimized = grappler.optimize(rewritten, prepared.model.fetches)
@@ -339,7 +339,7 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
                     + (f" and {len(result.plan.recomputes)} recomputation(s)" if result.plan.recomputes else ""))
         meta, _ = rewrite(prepared, result.plan, host_device=host_device, force=True)
         optimized = None
-        if guard or (executor and result.plan.edits):
+        if guard or (executor and result.plan.changes):
             from lmscli import grappler
 
             optimized = grappler.optimize(meta, prepared.model.fetches)
@@ -368,8 +368,8 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
             # The judge: the executor model on the graph the Session runs (Grappler-optimized).
             # (On the stand-in the step is run even when nothing is planned: the truth, not a model.)
             peak = (run_peak(prepared, meta, optimized, device.link_bandwidth, device)
-                    if result.plan.edits or prepared.stand_in is not None else prepared.run_peak_bytes)
-            if peak is not None and not result.plan.edits and peak <= device.budget:
+                    if result.plan.changes or prepared.stand_in is not None else prepared.run_peak_bytes)
+            if peak is not None and not result.plan.changes and peak <= device.budget:
                 line = ("[LMS] [Simulator] LMS is not necessary: the graph TensorFlow runs after its optimizations "
                         f"needs {peak:,} bytes <= {device.budget:,}")
                 result = replace(result, necessary=False, log=result.log + (line,),
@@ -393,7 +393,7 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
                 if step is not None and search.found and timing.out_of_time():
                     step = None  # refining further would pass --time-limit
                     search.timed_out = True
-                if step is not None and not result.plan.edits:
+                if step is not None and not result.plan.changes:
                     # Nothing was planned (the graph as written fits the planning budget): plan for
                     # less than the graph as written needs, or the next round plans nothing again.
                     written = result.baseline.peak_bytes
@@ -443,12 +443,12 @@ def _resimulated(prepared: Prepared, result: TuneResult) -> TuneResult:
     swaps or recomputations out of it); the judge then judges it again."""
     if len(prepared.schedules) > 1:
         return result
-    from lmscli.plan import to_sim
+    from lmscli.plan import simulated
     from lmscli.planner import predicted
     from lmscli.simulator import simulate
 
     device = Device.from_dict(result.plan.device)
-    sim = simulate(prepared.schedule, to_sim(result.plan.edits, prepared.schedule), device.link_bandwidth)
+    sim = simulate(*simulated(result.plan, prepared.schedule, prepared.view), device.link_bandwidth)
     return replace(result, result=sim, plan=replace(result.plan, predicted=predicted(result.baseline, sim, result.budget)))
 
 
@@ -629,7 +629,7 @@ def with_link_predictions(prepared: Prepared, result: TuneResult) -> TuneResult:
     """Add the plan's predicted step time on each named link to ``plan.predicted['per_link']``
     (for graphs on several GPUs: the slowest GPU's step)."""
     from lmscli.device import LINKS
-    from lmscli.plan import to_sim
+    from lmscli.plan import simulated
     from lmscli.simulator import simulate
 
     per_link = {}
@@ -637,7 +637,7 @@ def with_link_predictions(prepared: Prepared, result: TuneResult) -> TuneResult:
         base = step = 0.0
         peak = 0
         for schedule in prepared.schedules or (prepared.schedule,):
-            sim = simulate(schedule, to_sim(result.plan.edits, schedule), LINKS[name], detail=False)
+            sim = simulate(*simulated(result.plan, schedule, prepared.view), LINKS[name], detail=False)
             base = max(base, simulate(schedule, (), LINKS[name], detail=False).step_time)
             step, peak = max(step, sim.step_time), max(peak, sim.peak_bytes)
         per_link[name] = {"step_time_s": step, "overhead": round(step / base - 1.0, 6) if base else 0.0,
@@ -650,7 +650,7 @@ def replay(prepared: Prepared, plan: Plan) -> TuneResult:
     """Simulate a given plan (e.g. one read with --plan) as a TuneResult, for reports and plots; for
     a graph on several GPUs, as seen by the GPU that needs the most memory with the plan."""
     from lmscli.device import NO_BUDGET, Device
-    from lmscli.plan import to_sim
+    from lmscli.plan import simulated
     from lmscli.planner import predicted
     from lmscli.simulator import simulate
 
@@ -658,8 +658,8 @@ def replay(prepared: Prepared, plan: Plan) -> TuneResult:
     replays = []
     for schedule in prepared.schedules or (prepared.schedule,):
         baseline = simulate(schedule, (), device.link_bandwidth)
-        result = simulate(schedule, to_sim(plan.edits, schedule), device.link_bandwidth)
+        result = simulate(*simulated(plan, schedule, prepared.view), device.link_bandwidth)
         replays.append((result.peak_bytes, schedule.device, baseline, result))
     _peak, _name, baseline, result = max(replays, key=lambda r: r[0])
     filled = replace(plan, predicted=predicted(baseline, result, device.budget))
-    return TuneResult(filled, baseline, result, device.budget, bool(plan.edits), ())
+    return TuneResult(filled, baseline, result, device.budget, plan.changes, ())

@@ -115,7 +115,8 @@ def _analysis(doc: dict, svg: str | None) -> str:
         ("swappable tensors", f"{doc['swappable_tensors']:,} ({_size(doc['swappable_bytes'])})"),
         ("control flow", f"{doc.get('while_loops', 0)} while loop(s), {doc.get('conds', 0)} cond switch(es); at the "
                          f"peak {_size(doc.get('peak_in_branches', 0))} made in cond branches, "
-                         f"{_size(doc.get('peak_in_loops', 0))} in while loops, "
+                         f"{_size(doc.get('peak_in_loops', 0))} in while loops ("
+                         f"{_size(doc.get('peak_in_host_stacks', 0))} in gradient stacks lms can keep on the host), "
                          f"{_size(doc.get('peak_from_calls', 0))} returned by function calls"),
         ("tensors of unknown size", f"{doc.get('unknown_tensors', 0)}"),
     ]
@@ -173,6 +174,10 @@ def _plan(doc: dict, svg: str | None) -> str:
     if plan.get("recomputes"):
         memory_rows.append(("recomputed", "-", f"{pred.get('recomputes', 0)} ({_size(pred.get('recompute_bytes'))}, "
                             f"{_ms(pred.get('recompute_time_s', 0.0))} of GPU time)", "-"))
+    if plan.get("host_stacks"):
+        memory_rows.append(("loop stacks on the host", "-", f"{len(plan['host_stacks'])} "
+                            f"({_size(sum(h['bytes'] for h in plan['host_stacks']))} kept off the GPU, "
+                            f"{_size(pred.get('stack_copy_bytes', 0) // 2)} copied each way)", "-"))
     if t0 is not None and t1 is not None:
         memory_rows.append(("step time", _ms(t0), _ms(t1), _pct(pred.get("overhead", 0.0))))
     parts += ["<h2>Memory before and after</h2>",
@@ -185,7 +190,12 @@ def _plan(doc: dict, svg: str | None) -> str:
                   _table(("link", "step time", "overhead", "peak"), rows, numeric=(1, 2, 3))]
     parts += ["<h2>Memory over one training step</h2>", _plot(svg),
               _top(doc.get("top_live_at_peak", ()), "Largest tensors live at the peak, with the plan")]
-    parts.append(_swaps(plan.get("swaps", ()), levels))
+    parts.append(_swaps(plan.get("swaps", ()), levels) if plan.get("swaps") or not plan.get("host_stacks") else "")
+    if plan.get("host_stacks"):
+        rows = [(_code(h["stack"]), _size(h["bytes"]), str(h["trips"]), _names(h["ops"], levels))
+                for h in plan["host_stacks"]]
+        parts.append(f"<h2>Gradient stacks kept on the host ({len(rows)})</h2>"
+                     + _table(("stack", "kept per step", "iterations", "ops moved with it"), rows, numeric=(1, 2)))
     if plan.get("recomputes"):
         parts.append(_recomputes(plan["recomputes"], levels))
     chains = plan.get("serialize") or ()

@@ -58,6 +58,8 @@ class Storage:
     readers: tuple[int, ...]
     num_bytes: int
     kind: str  # "stack" or "tensor array"
+    trips: int = 1  # iterations over one step of the loop the writer runs in (num_bytes: that many elements)
+    sharers: tuple[int, ...] = ()  # other pushes keeping the same buffers (a value pushed on two stacks)
 
 
 def trip_counts(view: GraphView) -> dict[str, Loop]:
@@ -95,16 +97,26 @@ def storage(view: GraphView, loops: dict[str, Loop] | None = None) -> tuple[Stor
     loops = trip_counts(view) if loops is None else loops
     found: list[Storage] = []
     seen: set[tuple[int, int]] = set()  # values already kept: a buffer pushed twice is one buffer
+    by_value: dict[tuple[int, int], int] = {}  # a value kept by a stack -> its entry in found
     for pushes, pops in _stacks(view).values():
         popped = max((view.tensor_bytes(p, 0) for p in pops), default=0)  # when the pushed size is unknown
         for push in pushes:
-            value = _new_buffer_each_iteration(view, push, 1, seen)
+            value = _new_buffer_each_iteration(view, push, 1, set())
             if value is None:
                 continue
+            if value in by_value:  # pushed on another stack too: one buffer, two stacks keep it
+                first = found[by_value[value]]
+                found[by_value[value]] = Storage(first.writer, tuple(sorted(set(first.readers) | set(pops))),
+                                                 first.num_bytes, first.kind, first.trips, first.sharers + (push,))
+                continue
+            if value in seen:
+                continue
+            seen.add(value)
             size = _element_bytes(view, push, 1) or view.tensor_bytes(*value) or popped
             trips = _total_trips(view, view.frames[push], loops)
             if size and trips and trips > 1:
-                found.append(Storage(push, tuple(sorted(pops)), trips * size, "stack"))
+                by_value[value] = len(found)
+                found.append(Storage(push, tuple(sorted(pops)), trips * size, "stack", trips))
     for writes, reads in _arrays(view).values():
         for write in writes:
             if view.frames[write] and _new_buffer_each_iteration(view, write, 2, seen) is None:
@@ -117,7 +129,7 @@ def storage(view: GraphView, loops: dict[str, Loop] | None = None) -> tuple[Stor
                 continue
             trips = _total_trips(view, view.frames[write], loops)
             if size and trips and trips > 1 and view.ops[write] == "TensorArrayWriteV3":
-                found.append(Storage(write, tuple(sorted(reads)), trips * size, "tensor array"))
+                found.append(Storage(write, tuple(sorted(reads)), trips * size, "tensor array", trips))
     return tuple(sorted(found, key=lambda s: s.writer))
 
 

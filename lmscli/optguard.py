@@ -159,6 +159,9 @@ def culprits(plan, names: frozenset) -> tuple[tuple[str, ...], tuple[str, ...]]:
             touched.add(group.trigger)
         if touched & names:
             tensors.append(rec.tensor)
+    for stack in plan.host_stacks:  # (named by the StackV2)
+        if {stack.stack, *stack.ops} & names:
+            tensors.append(stack.stack)
     ops = sorted({op for chain in plan.serialize for op in chain if op in names})
     return tuple(sorted(tensors)), tuple(ops)
 
@@ -172,5 +175,6 @@ def without(plan, tensors, ops):
     chains = tuple(c for c in (tuple(op for op in chain if op not in drop) for chain in plan.serialize) if len(c) > 1)
     # A recomputation reading one of the dropped swaps' swap-ins goes too.
     return replace(plan, swaps=tuple(s for s in plan.swaps if s.tensor not in gone), serialize=chains,
+                   host_stacks=tuple(h for h in plan.host_stacks if h.stack not in gone),
                    recomputes=tuple(r for r in plan.recomputes
                                     if r.tensor not in gone and not any(v in gone for v, _g in r.via)))

@@ -50,6 +50,17 @@ class PlannedRecompute:
 
 
 @dataclass(frozen=True)
+class PlannedHostStack:
+    """A v1 loop's gradient stack placed on the host (:mod:`lmscli.hoststacks`)."""
+
+    stack: str  # the StackV2 node
+    ops: tuple[str, ...]  # the ops using its handle, which move with it (pushes, pops, closes)
+    bytes: int  # what it keeps over one step (its trips times the values pushed per iteration)
+    trips: int
+    gpu: str = ""
+
+
+@dataclass(frozen=True)
 class Plan:
     model: str
     graph_sha256: str
@@ -63,6 +74,7 @@ class Plan:
     predicted: dict = field(default_factory=dict)
     grappler: dict = field(default_factory=dict)
     recomputes: tuple[PlannedRecompute, ...] = ()
+    host_stacks: tuple[PlannedHostStack, ...] = ()
 
     @property
     def edits(self) -> tuple:
@@ -70,11 +82,18 @@ class Plan:
         return self.swaps + self.recomputes
 
     @property
+    def changes(self) -> bool:
+        """Does applying the plan change the graph (swaps, recomputations, stacks on the host)?"""
+        return bool(self.swaps or self.recomputes or self.host_stacks)
+
+    @property
     def recompute_bytes(self) -> int:
         return sum(r.bytes * len(r.groups) for r in self.recomputes)
 
     def to_dict(self) -> dict:
         data = asdict(self)
+        if not self.host_stacks:
+            del data["host_stacks"]  # (plans without them read as before)
         return {"schema": PLAN_SCHEMA, "version": PLAN_VERSION, **data}
 
     def to_json(self) -> str:
@@ -116,8 +135,13 @@ class Plan:
             )
             if any(not r.ops or not r.groups for r in recomputes):
                 raise ValueError("recomputes: ops and groups")
+            host_stacks = tuple(
+                PlannedHostStack(stack=str(h["stack"]), ops=tuple(str(o) for o in h["ops"]), bytes=int(h["bytes"]),
+                                 trips=int(h["trips"]), gpu=str(h.get("gpu", "")))
+                for h in data.get("host_stacks", ())
+            )
             return cls(
-                recomputes=recomputes,
+                recomputes=recomputes, host_stacks=host_stacks,
                 model=data["model"], graph_sha256=data["graph_sha256"], fetches=tuple(data["fetches"]),
                 batch_size=data.get("batch_size"), device=dict(data.get("device", {})),
                 strategy=data.get("strategy", "manual"), parameters=dict(data.get("parameters", {})),
@@ -144,6 +168,31 @@ def graph_fingerprint(graph_def) -> str:
 
 def tensor_ids(schedule: Schedule) -> dict[str, int]:
     return {f"{schedule.names[t.producer]}:{t.output}": t.id for t in schedule.tensors}
+
+
+def simulated(plan: Plan, schedule: Schedule, view) -> tuple[Schedule, list[SimSwap]]:
+    """What the simulator runs for ``plan`` on ``schedule``: the schedule its stacks on the host
+    leave (:func:`lmscli.hoststacks.hosting`), and its swaps and recomputations on that schedule."""
+    stacks = [h for h in plan.host_stacks if not h.gpu or h.gpu == schedule.device]
+    if stacks:
+        from lmscli import hoststacks
+
+        schedule = hoststacks.hosting(schedule, view, hoststacks.named(view, stacks))
+    return schedule, to_sim(plan.edits, schedule)
+
+
+def host_stacks_from(units, view, schedule: Schedule) -> tuple[PlannedHostStack, ...]:
+    """Name the stacks of :class:`lmscli.hoststacks.Hostable` units for a plan (a unit's bytes go
+    to its first stack), sorted by name."""
+    from lmscli.hoststacks import handle_users
+
+    out = []
+    for h in units:
+        for k, stack in enumerate(h.stacks):
+            users = handle_users(view, stack) or ()
+            out.append(PlannedHostStack(view.names[stack], tuple(sorted(view.names[i] for i in users)),
+                                        h.num_bytes if k == 0 else 0, h.trips, schedule.device))
+    return tuple(sorted(out, key=lambda p: p.stack))
 
 
 def to_sim(plan_swaps, schedule: Schedule) -> list[SimSwap]:

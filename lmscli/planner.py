@@ -27,13 +27,13 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from lmscli import timing
+from lmscli import hoststacks, timing
 from lmscli.analysis import Prepared, binding
 from lmscli.candidates import (COND_PRODUCERS, Candidate, Filters, boundary, branch_safe, candidates, edge_safe,
                                landing_safe, trigger_safe)
 from lmscli.device import Device
 from lmscli.errors import NoFitError
-from lmscli.plan import Plan, from_sim, graph_fingerprint, recomputes_from_sim
+from lmscli.plan import Plan, from_sim, graph_fingerprint, host_stacks_from, recomputes_from_sim
 from lmscli.schedule import Schedule
 from lmscli.simulator import SimResult, SimSwap, SwapIn, simulate, transfer_us
 from lmscli.timing import timed
@@ -812,6 +812,87 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
 
 
 def _tune_one(prepared: Prepared, device: Device, options: TuneOptions, margin: int, log: list[str]) -> TuneResult:
+    """A plan for one GPU. When the step has gradient stacks of v1 while loops that could live on
+    the host (:mod:`lmscli.hoststacks`), a plan that keeps some there is made too, and the faster
+    of the two wins (then the one moving fewer bytes): swapping can beat copying a whole stack
+    every iteration, and where swaps cannot reach the loops' stacks only hosting fits."""
+    stacks = () if options.strategy == "tflms" and options.tflms is not None else tuple(
+        h for h in hoststacks.hostable(prepared.view, prepared.dead | prepared.untaken)
+        if not any(prepared.view.names[i] in options.forbidden for i in h.stacks))
+    if not stacks:
+        return _tune_on(prepared, device, options, margin, log)
+    plain_log: list[str] = []
+    plain = failed = None
+    try:
+        plain = _tune_on(prepared, device, options, margin, plain_log)
+    except NoFitError as exc:
+        failed = exc
+    if plain is not None and not plain.necessary:
+        log.extend(plain_log)
+        return plain
+    hosted_log: list[str] = []
+    hosted = _with_host_stacks(prepared, device, options, margin, stacks, hosted_log)
+    if isinstance(hosted, NoFitError):
+        if plain is None:  # (its bound is the one with every stack on the host)
+            raise hosted
+        hosted = None
+
+    def cost(r: TuneResult):
+        return r.result.step_time, r.result.swap_out_bytes + r.result.stack_copy_bytes // 2
+
+    if hosted is None or (plain is not None and cost(plain) <= cost(hosted)):
+        if plain is None:
+            raise failed
+        log.extend(plain_log)
+        return plain
+    log.extend(hosted_log)
+    return hosted
+
+
+def _with_host_stacks(prepared: Prepared, device: Device, options: TuneOptions, margin: int, stacks,
+                      log: list[str]) -> TuneResult | NoFitError:
+    """A plan that keeps gradient stacks on the host, and swaps or recomputes what else is needed;
+    when none fits, the planner's answer with every stack on the host. Stacks live at the peak go
+    first, largest first, until the step fits or none is left at the peak; if the rest of the plan
+    cannot be made then, every stack goes."""
+    view, base = prepared.view, prepared.schedule
+    limit = device.budget - margin
+    chosen: list = []
+    while True:
+        sched = hoststacks.hosting(base, view, chosen)
+        sim = simulate(sched, (), device.link_bandwidth)
+        if sim.peak_bytes <= limit:
+            break
+        live = hoststacks.at_peak(sched, sim.live_at_peak)
+        pick = next((h for h in stacks if h not in chosen and live & set(h.pushes)), None)
+        if pick is None:
+            break
+        chosen.append(pick)
+    tries = [tuple(chosen)] if chosen else []
+    if len(chosen) < len(stacks):
+        tries.append(tuple(stacks))
+    baseline = simulate(base, (), device.link_bandwidth)
+    failed = None
+    for hosted in tries:
+        sched = hoststacks.hosting(base, view, hosted)
+        lines: list[str] = []
+        try:
+            result = _tune_on(replace(prepared, schedule=sched, schedules=(sched,)), device, options, margin, lines,
+                              hosted)
+        except NoFitError as exc:
+            failed = NoFitError(f"{exc} (with {sum(len(h.stacks) for h in hosted)} gradient stack(s) of while loops "
+                                "on the host)", exc.bound_bytes, exc.binding_op, exc.budget_bytes)
+            failed.log = tuple(lines)
+            continue
+        log.extend(lines)
+        return replace(result, baseline=baseline, necessary=True,
+                       plan=replace(result.plan, predicted=predicted(baseline, result.result, device.budget)))
+    return failed
+
+
+def _tune_on(prepared: Prepared, device: Device, options: TuneOptions, margin: int, log: list[str],
+             host_stacks=()) -> TuneResult:
+    """A plan for ``prepared.schedule`` (in which ``host_stacks`` already live on the host)."""
     ctx = _Context(prepared, device, options.filters, options.forbidden)
     sched = ctx.schedule
     baseline = ctx.simulate(())
@@ -821,15 +902,23 @@ def _tune_one(prepared: Prepared, device: Device, options: TuneOptions, margin: 
     swaps: list[SimSwap] = []
     necessary = baseline.peak_bytes > budget - margin
     limited = False
+    if host_stacks:
+        log.append(f"[LMS] [Simulator] keeping {sum(len(h.stacks) for h in host_stacks)} gradient stack(s) of while "
+                   "loops on the host "
+                   f"({format_size(sum(h.num_bytes for h in host_stacks))} kept off the GPU; each push copies one "
+                   f"iteration's value out and each pop one back: {format_size(sum(h.copy_bytes for h in host_stacks))} "
+                   "each way per step)")
     if options.strategy == "tflms" and options.tflms is not None:
         swaps = tflms_swaps(ctx, options.tflms)
         result = ctx.simulate(swaps)
         params = options.tflms.__dict__.copy()
         necessary = True
     elif not necessary:
-        log.append("[LMS] [Simulator] LMS is not necessary: the graph fits without swapping "
-                   f"({format_size(baseline.peak_bytes)} <= {format_size(budget)})")
+        if not host_stacks:
+            log.append("[LMS] [Simulator] LMS is not necessary: the graph fits without swapping "
+                       f"({format_size(baseline.peak_bytes)} <= {format_size(budget)})")
         result = baseline
+        necessary = bool(host_stacks)
     else:
         bound = binding(prepared, set(ctx.cands), baseline)
         lb = bound.bytes
@@ -865,6 +954,7 @@ def _tune_one(prepared: Prepared, device: Device, options: TuneOptions, margin: 
         swaps=from_sim(swaps, sched),
         recomputes=recomputes_from_sim(swaps, sched),
         predicted=predicted(baseline, result, budget),
+        host_stacks=host_stacks_from(host_stacks, prepared.view, sched),
     )
     return TuneResult(plan, baseline, result, budget, necessary, tuple(log), time_limited=limited)
 
@@ -927,7 +1017,8 @@ def _tune_each_gpu(prepared: Prepared, device: Device, options: TuneOptions, mar
     pred["per_device"] = figures
     plan = replace(worst.plan, parameters=params, predicted=pred,
                    swaps=tuple(swap for p in plans for swap in p.swaps),
-                   recomputes=tuple(r for p in plans for r in p.recomputes))
+                   recomputes=tuple(r for p in plans for r in p.recomputes),
+                   host_stacks=tuple(h for p in plans for h in p.host_stacks))
     return TuneResult(plan, worst.baseline, worst.result, worst.budget, any(r.necessary for _, r in results),
                       tuple(line for _, r in results for line in r.log), tuple(results),
                       time_limited=any(r.time_limited for _, r in results))
@@ -1166,7 +1257,7 @@ def predicted(baseline: SimResult, result: SimResult, budget: int) -> dict:
         "step_time_without_plan_s": baseline.step_time,
         "step_time_s": result.step_time,
         "overhead": round(result.step_time / baseline.step_time - 1.0, 6) if baseline.step_time else 0.0,
-    }
+    } | ({"stack_copy_bytes": result.stack_copy_bytes} if result.stack_copy_bytes else {})
 
 
 def _no_fit_message(ctx: _Context, bound, budget: int) -> str:

@@ -108,14 +108,17 @@ def render_analysis(console: Console, a, baseline=None) -> None:
                   "own; a static estimate's view)")
     if a.peak_op:
         t.add_row("peak reached at", a.peak_op)
-    t.add_row("lower bound with swapping", f"{format_size(a.lower_bound_bytes)} (at {a.lower_bound_op})")
+    t.add_row("lower bound with swapping", f"{format_size(a.lower_bound_bytes)} (at {a.lower_bound_op}"
+              + (", with the loops' gradient stacks on the host)" if a.host_stacks else ")"))
     t.add_row("swappable tensors", f"{a.swappable_tensors:,} ({format_size(a.swappable_bytes)})")
     if a.while_loops or a.conds:
         t.add_row("control flow", f"{a.while_loops} while loop(s), {a.conds} cond switch(es)")
     if a.while_loops or a.conds or a.peak_from_calls:
         t.add_row("at the peak", f"{format_size(a.peak_in_branches)} made in cond branches (swapped there), "
-                  f"{format_size(a.peak_in_loops)} in while loops (not swapped), "
-                  f"{format_size(a.peak_from_calls)} returned by function calls (their bodies not counted)")
+                  f"{format_size(a.peak_in_loops)} in while loops ("
+                  + (f"{format_size(a.peak_in_host_stacks)} of it in gradient stacks lms can keep on the host, "
+                     "the rest not swapped), " if a.peak_in_host_stacks else "not swapped), ")
+                  + f"{format_size(a.peak_from_calls)} returned by function calls (their bodies not counted)")
     if a.unknown_tensors:
         t.add_row("unknown sizes", f"[yellow]{a.unknown_tensors} tensor(s) with unknown shape (counted as 0 bytes)[/]")
     console.print(t)
@@ -201,6 +204,10 @@ def render_tune(console: Console, result, details: dict | None = None) -> None:
         t.add_row("recomputations", f"{pred.get('recomputes', 0)} ({format_size(pred.get('recompute_bytes', 0))} made "
                   f"again by {sum(len(r.ops) * len(r.groups) for r in plan.recomputes)} cloned op(s), "
                   f"{pred.get('recompute_time_s', 0.0) * 1e3:.3f} ms of GPU time)")
+    if plan.host_stacks:
+        t.add_row("loop stacks on the host", f"{len(plan.host_stacks)} gradient stack(s) of while loops "
+                  f"({format_size(sum(h.bytes for h in plan.host_stacks))} kept off the GPU; their pushes and pops "
+                  f"copy {format_size(pred.get('stack_copy_bytes', 0) // 2)} each way per step)")
     t.add_row("host memory (pinned)", format_size(pred["host_peak_bytes"]))
     if pred["host_peak_bytes"] > dev["host_mem_bytes"]:
         t.add_row("", f"[yellow]warning: more than --host-mem {format_size(dev['host_mem_bytes'])}[/]")
@@ -215,7 +222,7 @@ def render_tune(console: Console, result, details: dict | None = None) -> None:
             for k, v in plan.parameters.items()))
     console.print(t)
     details = details or {}
-    if plan.edits:
+    if plan.changes:
         render_chart(console, "Memory over one training step (simulated)",
                      _series(f"with lms (peak {format_size(result.result.peak_bytes)})", result.result),
                      _series(f"without (peak {format_size(result.baseline.peak_bytes)})", result.baseline), budget)

@@ -36,6 +36,15 @@ reaches ``Q``'s clone through ``lms/recompute/R_0/0/gate``, which has the contro
 remapper fuses no op with a control edge, and the clones must fuse as the originals do. Ops that
 update a variable the clones read wait for a ``done`` Identity of the last clone.
 
+A gradient stack kept on the host (:mod:`lmscli.hoststacks`) is moved, not copied: its
+``StackV2`` and the pushes, pops and closes using its handle get the host device and lose their
+``_class`` colocation, so TensorFlow copies each pushed value out and each popped value back::
+
+    before                                   after
+    rnn/loop/Tanh --> .../StackPushV2        rnn/loop/Tanh --> .../StackPushV2 (host)
+    .../f_acc (StackV2, GPU)                 .../f_acc (StackV2, host)
+    .../StackPopV2 --> TanhGrad              .../StackPopV2 (host) --> TanhGrad
+
 Inserted swap nodes live under ``lms/``, carry ``_grappler_do_not_remove`` and never a ``_class``
 colocation attribute. The result is validated (unique names, no dangling inputs, no cycles).
 """
@@ -65,6 +74,8 @@ class RewriteReport:
     recomputes: int = 0  # groups of consumers reading clones
     recompute_bytes: int = 0
     clones: int = 0  # cloned ops (the rest of the recomputation's nodes are Identity gates)
+    host_stacks: int = 0  # gradient stacks moved to the host
+    host_stack_bytes: int = 0
 
     def summary(self) -> str:
         from lmscli.units import format_size
@@ -76,7 +87,11 @@ class RewriteReport:
             others = len(self.added_nodes) - self.swap_outs - self.swap_ins - self.clones
             line += (f", {self.clones} cloned operations and {others} Identity nodes recomputing "
                      f"{format_size(self.recompute_bytes)} in {self.recomputes} place(s)")
-        return line + ")"
+        line += ")"
+        if self.host_stacks:
+            line += (f"; moved {self.host_stacks} gradient stack(s) of while loops to the host "
+                     f"({format_size(self.host_stack_bytes)} per step)")
+        return line
 
 
 def has_lms_nodes(graph_def) -> bool:
@@ -243,6 +258,8 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
     for chain in plan.serialize:
         for before, after in zip(chain, chain[1:]):
             add_control(after, before)
+    for stack in plan.host_stacks:
+        _to_host(nodes, stack, host_device)
     try:
         after = GraphView(graph)
     except GraphError as exc:
@@ -250,7 +267,7 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
     if any(after.frames) or any(after.cond_depth):
         _check_branches(view if view is not None else GraphView(meta_graph.graph_def), after)
     report = RewriteReport(len(plan.swaps), n_in, out_bytes, in_bytes, control_edges, tuple(added), n_re, re_bytes,
-                           n_clones)
+                           n_clones, len(plan.host_stacks), sum(h.bytes for h in plan.host_stacks))
     return out, report
 
 
@@ -272,6 +289,27 @@ def _check_branches(before: GraphView, after: GraphView) -> None:
                             "than it does (from an op in a branch to one outside it, or in another branch)")
         if after.frames[k] != before.frames[i]:
             raise PlanError(f"the plan moves {name!r} into another while-loop frame")
+
+
+STACK_NODE_OPS = frozenset({"StackV2", "StackPushV2", "StackPopV2", "StackCloseV2"})
+
+
+def _to_host(nodes: dict, stack, host_device: str) -> None:
+    """Place a gradient stack and the ops using its handle on the host (no ``_class``)."""
+    names = (stack.stack, *stack.ops)
+    for name in names:
+        node = nodes.get(name)
+        if node is None:
+            raise PlanError(f"the plan keeps stack {stack.stack!r} on the host, but the graph has no node {name!r}")
+        if node.op not in STACK_NODE_OPS:
+            raise PlanError(f"the plan moves {name!r} to the host with stack {stack.stack!r}, but it is a "
+                            f"{node.op}, not a stack op")
+    host = host_for(nodes[stack.stack].device, host_device)
+    for name in names:
+        node = nodes[name]
+        node.device = host
+        if "_class" in node.attr:
+            del node.attr["_class"]
 
 
 def _rewire(nodes: dict, consumers, refs: set, new: str, tensor: str) -> None:

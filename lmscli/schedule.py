@@ -53,6 +53,11 @@ class Schedule:
     # The CPU stand-in's executor: a swap-out's transfer starts only when an op waits for it (see
     # lmscli.simulator); a GPU's starts when its producer ends.
     waited_sends: bool = False
+    # Gradient stacks kept on the host (lmscli.hoststacks): per loop and direction, (position,
+    # bytes copied over one step, microseconds of the loop's compute those copies can hide behind),
+    # and per stack (first push, last pop, bytes) of host memory.
+    stack_copies: tuple[tuple[int, int, int], ...] = ()
+    host_held: tuple[tuple[int, int, int], ...] = ()
 
     def with_scratch(self, by_name: dict) -> "Schedule":
         """The same schedule with kernel scratch bytes per op name (e.g. measured on the stand-in)."""
@@ -102,6 +107,24 @@ class Schedule:
                          levels=pick(self.levels), compute=pick(self.compute), on_gpu=pick(self.on_gpu),
                          tensors=tuple(tensors), inputs=inputs, scratch=pick(self.scratch), shares=(), in_place=())
         return pruned.with_memory_model(self.memory_model)
+
+    def without_tensors(self, ids) -> "Schedule":
+        """The schedule without the tensors ``ids`` (they no longer take GPU memory; e.g. what a
+        gradient stack kept on the host would keep); ops and order are unchanged, ids renumbered."""
+        from dataclasses import replace
+
+        if not ids:
+            return self
+        tensors: list[SimTensor] = []
+        new_id: dict[int, int] = {}
+        for t in self.tensors:
+            if t.id in ids:
+                continue
+            new_id[t.id] = len(tensors)
+            tensors.append(replace(t, id=len(tensors)))
+        inputs = tuple(tuple(new_id[tid] for tid in read if tid in new_id) for read in self.inputs)
+        return replace(self, tensors=tuple(tensors), inputs=inputs, shares=(), in_place=()).with_memory_model(
+            self.memory_model)
 
     @property
     def resident_bytes(self) -> int:

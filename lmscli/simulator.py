@@ -20,6 +20,9 @@ Model of one training step (times are whole microseconds, so equal times are exa
   that wait for it (so the GPU copy is gone before they allocate).
 * A swap-in's ``landing`` op waits until its transfer is done (stand-in plans: the transfer then
   lands at one place in the order of allocations, not wherever it happens to arrive).
+* Gradient stacks kept on the host (``schedule.stack_copies``): a loop's pushes copy one
+  iteration's value each to the host, its pops one each back, on the link while the loop computes;
+  the op at the given position is delayed by what the copies take beyond the loop's compute.
 * On the CPU stand-in (``schedule.waited_sends``) a swap-out starts only when the first op that
   waits for it is reached (its send is an expensive CPU kernel, queued behind the ops the
   executor runs inline), or at its first swap-in's trigger when nothing waits for it.
@@ -89,6 +92,7 @@ class SimResult:
     recompute_time: float = 0.0  # GPU time of the recomputations (part of the step time)
     num_recomputes: int = 0  # recomputation groups (each runs its clones once)
     recompute_bytes: int = 0  # bytes the recomputations make again
+    stack_copy_bytes: int = 0  # bytes hosted gradient stacks copy over the link (both ways)
 
     @property
     def overhead(self) -> float:
@@ -148,6 +152,9 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
     in_end: dict[tuple[int, int], int] = {}
     d2h_free = h2d_free = 0
     clock = 0
+    copies_beyond: dict[int, int] = {}  # position -> microseconds hosted stacks' copies delay it
+    for pos, num_bytes, hidden in schedule.stack_copies:
+        copies_beyond[pos] = copies_beyond.get(pos, 0) + max(0, transfer_us(num_bytes, link_bandwidth) - hidden)
     recompute_us = 0
     records = []
 
@@ -172,7 +179,7 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
         for key in landings.get(k, ()):
             ready = max(ready, in_end.get(key, ready))
         start[k] = ready
-        end[k] = clock = ready + schedule.compute[k]
+        end[k] = clock = ready + schedule.compute[k] + copies_beyond.get(k, 0)
         for tid in swapped_by_producer.get(k, ()):
             if swap_of[tid].recompute:
                 out_start[tid] = out_end[tid] = end[k]  # nothing to copy: the GPU copy is free to go
@@ -243,6 +250,9 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
     if executor and peak_index >= 0:
         peak_position = min(events[peak_index][1] // 4, n - 1)
 
+    for first, last, num_bytes in schedule.host_held:
+        host_events.append((start[first], 0, num_bytes))
+        host_events.append((end[last], 1, -num_bytes))
     host_events.sort()
     host_live = host_peak = 0
     host_curve = []
@@ -283,6 +293,7 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
         recompute_time=recompute_us / 1e6,
         num_recomputes=sum(len(s.groups) for s in swap_of.values() if s.recompute),
         recompute_bytes=sum(tensors[tid].num_bytes * len(s.groups) for tid, s in swap_of.items() if s.recompute),
+        stack_copy_bytes=sum(num_bytes for _, num_bytes, _ in schedule.stack_copies),
     )
 
 

@@ -1,0 +1,217 @@
+"""Gradient stacks of v1 while loops kept in host memory.
+
+The gradient of a v1 loop saves what its backward pass needs from each forward iteration on a
+stack: a ``StackPushV2`` in the forward loop, a ``StackPopV2`` in the gradient loop. A stack holds
+``trips x`` the pushed value from the first push to the last pop (:mod:`lmscli.loops`), and on
+recurrent nets over long sequences these stacks are the peak. Their values are made inside a loop
+frame, one per iteration, so they cannot be swapped tensor by tensor; the stack as a whole can
+live on the host. Its ``StackV2`` and every op that uses its handle (pushes, pops, closes) are
+placed on the host's CPU: each push then copies one iteration's value out of the GPU, each pop
+copies one back, and what the stack keeps is host memory::
+
+    before (all on the GPU)                      after
+    h_t ──> StackPushV2 ─┐                       h_t ──> StackPushV2 @CPU ─┐  (copied out per iteration)
+          stack: trips x h_t (GPU)                     stack: trips x h_t (host)
+    grad <── StackPopV2 <┘                       grad <── StackPopV2 @CPU <┘  (copied in per iteration)
+
+The ``Enter`` nodes that carry the handle into the loops stay where they are (a handle is a small
+host tensor). TensorFlow's own ``swap_memory`` of a loop (an attribute of the pushes) does the
+same only on a GPU, only for values over 2 KiB other than the first pushed, and only while the
+GPU allocator is more than 70% full at that push (a heuristic inside the kernel), so neither its
+effect nor a proof on the CPU stand-in can be planned for. Placement is unconditional, works on
+the stand-in (its host is another process) and does not change a single computed bit.
+
+Not hosted: TensorFlow 2 loops' TensorList accumulators (a list is a value passed from iteration
+to iteration, copied whole when it changes device), TensorArrays, stacks inside cond branches, and
+stacks whose handle reaches other ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from lmscli.errors import PlanError
+from lmscli.graphview import GraphView
+from lmscli.schedule import STORAGE_OUTPUT, Schedule, loop_storage
+
+STACK_OPS = frozenset({"StackV2"})
+HANDLE_USERS = frozenset({"StackPushV2", "StackPopV2", "StackCloseV2"})
+PASS_THROUGH = frozenset({"Enter", "RefEnter", "Identity", "Switch", "Merge", "NextIteration", "Exit"})
+
+
+@dataclass(frozen=True)
+class Hostable:
+    """Gradient stacks that can be placed on the host together (view indices): one stack, or
+    several that keep the same buffers (a loop variable pushed once as an op's output and once as
+    the next iteration's input): moving only one of them would free nothing."""
+
+    stacks: tuple[int, ...]  # the StackV2 nodes
+    pushes: tuple[int, ...]
+    pops: tuple[int, ...]
+    users: tuple[int, ...]  # every op that uses a handle (pushes, pops, closes): they move with it
+    num_bytes: int  # what the stacks keep over one step
+    copy_bytes: int  # what their pushes copy out over one step (as much again comes back in)
+    trips: int  # iterations of the loop that pushes (the gradient loop pops as many)
+
+    @property
+    def ops(self) -> tuple[int, ...]:
+        return self.stacks + self.users
+
+
+def hostable(view: GraphView, leave_out=frozenset()) -> tuple[Hostable, ...]:
+    """The graph's gradient stacks that keep memory across iterations and can move to the host,
+    in units that move together, largest first (ties: graph order). ``leave_out``: node names the
+    step does not run."""
+    if not any(view.frames):
+        return ()
+    from lmscli.loops import _stacks
+
+    storage = [s for s in loop_storage(view) if s.kind == "stack"]
+    if not storage:
+        return ()
+    stack_of: dict[int, int] = {}  # push -> its stack
+    members: dict[int, tuple[list[int], list[int]]] = {}
+    for stack, (pushes, pops) in _stacks(view).items():
+        members[stack] = (pushes, pops)
+        for push in pushes:
+            stack_of[push] = stack
+    tags = view.branch_tags()
+    colocated = _colocation_targets(view)
+    units: list[tuple[set, int, int, int]] = []  # (stacks, bytes kept, bytes copied, trips)
+    for s in storage:
+        joined = {stack_of[w] for w in (s.writer, *s.sharers) if w in stack_of}
+        copied = sum(s.trips * _pushed_bytes(view, w) for w in (s.writer, *s.sharers))
+        merged = [u for u in units if u[0] & joined]
+        for u in merged:
+            units.remove(u)
+        units.append((joined.union(*(u[0] for u in merged)), s.num_bytes + sum(u[1] for u in merged),
+                      copied + sum(u[2] for u in merged), max([s.trips] + [u[3] for u in merged])))
+    found = []
+    for stacks, num_bytes, copy_bytes, trips in units:
+        users: set[int] = set()
+        for stack in stacks:
+            found_users = handle_users(view, stack) if view.ops[stack] in STACK_OPS else None
+            if found_users is None:
+                users = None
+                break
+            users.update(found_users)
+        if users is None:
+            continue
+        ops = tuple(sorted(stacks)) + tuple(sorted(users))
+        if (any(tags[i] for i in ops) or any(view.on_host(i) for i in ops)
+                or any(view.names[i] in leave_out or view.names[i] in colocated for i in ops)):
+            continue
+        pushes = tuple(sorted(p for st in stacks for p in members[st][0]))
+        pops = tuple(sorted(p for st in stacks for p in members[st][1]))
+        found.append(Hostable(tuple(sorted(stacks)), pushes, pops, tuple(sorted(users)), num_bytes, copy_bytes, trips))
+    return tuple(sorted(found, key=lambda h: (-h.num_bytes, h.stacks)))
+
+
+def named(view: GraphView, stacks) -> tuple[Hostable, ...]:
+    """The :class:`Hostable` units a plan's stacks on the host make
+    (:class:`lmscli.plan.PlannedHostStack`); raises PlanError for a stack this graph does not have
+    or cannot host, or a unit the plan moves only part of."""
+    if not stacks:
+        return ()
+    unit_of = {stack: h for h in hostable(view) for stack in h.stacks}
+    asked = set()
+    for planned in stacks:
+        i = view.index.get(planned.stack)
+        if i is None or i not in unit_of:
+            raise PlanError(f"the plan keeps stack {planned.stack!r} on the host, which is not a gradient stack "
+                            "of this graph's loops that can move there")
+        asked.add(i)
+    out = []
+    for h in sorted({unit_of[i] for i in asked}, key=lambda h: h.stacks):
+        missing = [view.names[i] for i in h.stacks if i not in asked]
+        if missing:
+            raise PlanError(f"the plan keeps {view.names[h.stacks[0]]!r} on the host but not {missing[0]!r}, "
+                            "which keeps the same tensors: they must move together")
+        out.append(h)
+    return tuple(out)
+
+
+def hosting(schedule: Schedule, view: GraphView, stacks) -> Schedule:
+    """``schedule`` with ``stacks`` on the host: what they keep leaves GPU memory, and the copies
+    their pushes and pops make (one iteration's value each, each way) are work for the link,
+    hidden behind the loop's compute as far as it lasts (:attr:`Schedule.stack_copies`)."""
+    if not stacks:
+        return schedule
+    position = {node: k for k, node in enumerate(schedule.nodes)}
+    pushes = {p for h in stacks for p in h.pushes}
+    drop = {t.id for t in schedule.tensors
+            if t.output == STORAGE_OUTPUT and schedule.nodes[t.producer] in pushes}
+    frame_compute: dict[str, int] = {}
+    for k, node in enumerate(schedule.nodes):
+        frame = view.frames[node]
+        if frame:
+            frame_compute[frame] = frame_compute.get(frame, 0) + schedule.compute[k]
+    copies: dict[tuple[str, str], list[int]] = {}  # (frame, direction) -> [position, bytes, trips]
+    held = []
+    for h in stacks:
+        ran_pushes = [position[p] for p in h.pushes if p in position]
+        ran_pops = [position[p] for p in h.pops if p in position]
+        if not ran_pushes:
+            continue
+        for ops, direction, pick in ((ran_pushes, "out", max), (ran_pops, "in", min)):
+            if not ops:
+                continue
+            frame = view.frames[schedule.nodes[ops[0]]]
+            entry = copies.setdefault((frame, direction), [pick(ops), 0, h.trips])
+            entry[0] = pick(entry[0], pick(ops))
+            entry[1] += h.copy_bytes
+            entry[2] = max(entry[2], h.trips)
+        held.append((min(ran_pushes), max(ran_pops, default=len(schedule) - 1), h.num_bytes))
+    stack_copies = tuple(sorted((pos, num_bytes, trips * frame_compute.get(frame, 0))
+                                for (frame, _direction), (pos, num_bytes, trips) in copies.items()))
+    return replace(schedule.without_tensors(drop), stack_copies=schedule.stack_copies + stack_copies,
+                   host_held=schedule.host_held + tuple(sorted(held)))
+
+
+def at_peak(schedule: Schedule, live_at_peak) -> set[int]:
+    """View indices of the pushes whose stacks are live at a simulated peak."""
+    out = set()
+    for kind, tid, _bytes in live_at_peak:
+        t = schedule.tensors[tid]
+        if kind == "tensor" and t.output == STORAGE_OUTPUT:
+            out.add(schedule.nodes[t.producer])
+    return out
+
+
+def _pushed_bytes(view: GraphView, push: int) -> int:
+    inputs = view.data_inputs[push]
+    return view.tensor_bytes(*inputs[1]) if len(inputs) > 1 else 0
+
+
+def _colocation_targets(view: GraphView) -> set[str]:
+    """Names that nodes other than stack ops ask to be colocated with (``_class: loc:@name``):
+    such a node would have to follow its target to the host (the stack ops' own ``_class``, which
+    names the value saved, is dropped when they move)."""
+    out = set()
+    for node in view.node_defs:
+        if node.op in STACK_OPS or node.op in HANDLE_USERS or "_class" not in node.attr:
+            continue
+        for entry in node.attr["_class"].list.s:
+            text = entry.decode(errors="replace")
+            if text.startswith("loc:@"):
+                out.add(text[5:])
+    return out
+
+
+def handle_users(view: GraphView, stack: int) -> tuple[int, ...] | None:
+    """The ops that use ``stack``'s handle, through the ops that pass it on (Enter, Identity, ...);
+    None when one of them is not a push, pop or close (it would have to move too)."""
+    users, seen, todo = set(), {stack}, [stack]
+    while todo:
+        i = todo.pop()
+        for dst, _port, _output in view.consumers[i]:
+            if dst in seen:
+                continue
+            seen.add(dst)
+            if view.ops[dst] in PASS_THROUGH:
+                todo.append(dst)
+            elif view.ops[dst] in HANDLE_USERS:
+                users.add(dst)
+            else:
+                return None
+    return tuple(sorted(users))

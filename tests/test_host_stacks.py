@@ -1,0 +1,173 @@
+"""Gradient stacks of v1 while loops kept on the host (lmscli.hoststacks).
+
+``stack_rnn.meta`` is a tanh RNN over 128 steps whose gradient stacks (each step's hidden state,
+kept by two stacks that share its buffer, and each step's input) are most of the peak: no swap
+plan reaches below them, keeping them on the host does, and the rewrite trains bit for bit as the
+original, under a hard limit where the original runs out of memory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from lmscli import api, hoststacks, optguard
+from lmscli.errors import PlanError
+from lmscli.plan import Plan, PlannedHostStack
+from lmscli.schedule import Schedule, SimTensor
+from lmscli.simulator import simulate
+from tests.conftest import invoke
+from tests.test_control_flow import _lstm_loop
+
+
+@pytest.fixture(scope="module")
+def stack_rnn(samples):
+    model = api.load(str(samples / "stack_rnn.meta"))
+    return model, api.prepare(model)
+
+
+def _plain_bound(prepared) -> int:
+    """The lower bound of plans that only swap (every stack stays on the GPU)."""
+    from lmscli.analysis import lower_bound
+    from lmscli.candidates import candidates
+
+    cands = candidates(prepared.view, prepared.schedule, untaken=prepared.untaken, fused=prepared.fused)
+    return lower_bound(prepared, set(cands))[0]
+
+
+def test_the_peak_is_the_loops_gradient_stacks(stack_rnn):
+    _model, prepared = stack_rnn
+    a = api.analyze(prepared)
+    units = hoststacks.hostable(prepared.view)
+    # The hidden state is pushed on two stacks (as tanh's output and as the next step's input):
+    # one buffer, so the two move together or not at all.
+    assert any(len(h.stacks) == 2 and h.copy_bytes == 2 * h.num_bytes for h in units)
+    assert a.host_stacks == sum(len(h.stacks) for h in units) >= 3
+    assert a.peak_in_host_stacks >= 0.8 * a.peak_in_loops > 0
+    assert a.lower_bound_bytes < 0.5 * a.peak_bytes < _plain_bound(prepared)
+
+
+def test_below_what_swaps_reach_the_stacks_go_to_the_host(stack_rnn, runner, tmp_path):
+    model, prepared = stack_rnn
+    budget = (api.analyze(prepared).lower_bound_bytes + _plain_bound(prepared)) // 2
+    result = api.tune(prepared, api.make_device(gpu_mem=budget, reserve=0.0))
+    plan = result.plan
+    assert result.fits and plan.host_stacks
+    assert plan.predicted["run_peak_bytes"] <= budget and plan.predicted["stack_copy_bytes"] > 0
+    # A unit moves whole, and the plan reads back as written and replays to the same figures.
+    units = {prepared.view.index[h.stack] for h in plan.host_stacks}
+    for h in hoststacks.hostable(prepared.view):
+        assert set(h.stacks) <= units or not set(h.stacks) & units
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    assert api.replay(prepared, again).result.peak_bytes == result.result.peak_bytes
+    # The rewrite moves the stack ops to the host and changes nothing else.
+    meta, report = api.rewrite(prepared, plan)
+    assert report.host_stacks == len(plan.host_stacks) and not report.added_nodes
+    moved = {h.stack for h in plan.host_stacks} | {op for h in plan.host_stacks for op in h.ops}
+    before = {n.name: n for n in model.meta_graph.graph_def.node}
+    for node in meta.graph_def.node:
+        if node.name in moved:
+            assert node.device == "/device:CPU:0" and "_class" not in node.attr
+        else:
+            assert node == before[node.name]
+    # ... and trains bit-identically (lms verify, in-process).
+    out = tmp_path / "hosted.meta"
+    done = invoke(runner, "rewrite", model.path, out, "--plan", _write(tmp_path / "plan.json", plan.to_json()),
+                  "--json")
+    assert done.exit_code == 0, done.output
+    checked = invoke(runner, "verify", model.path, out, "--json")
+    assert checked.exit_code == 0 and json.loads(checked.stdout)["identical"] is True
+
+
+def _write(path, text: str):
+    path.write_text(text)
+    return path
+
+
+def test_plans_naming_stacks_wrongly_are_refused(stack_rnn):
+    _model, prepared = stack_rnn
+    view = prepared.view
+    pair = next(h for h in hoststacks.hostable(view) if len(h.stacks) == 2)
+    half = PlannedHostStack(view.names[pair.stacks[0]], (), 0, 128)
+    with pytest.raises(PlanError, match="must move together"):
+        hoststacks.named(view, [half])
+    with pytest.raises(PlanError, match="not a gradient stack"):
+        hoststacks.named(view, [PlannedHostStack("loss", (), 0, 1)])
+    plan = api.replay(prepared, _empty_plan(prepared)).plan
+    with pytest.raises(PlanError, match="not a stack op"):
+        api.rewrite(prepared, replace(plan, host_stacks=(PlannedHostStack(half.stack, ("loss",), 0, 128),)))
+
+
+def _empty_plan(prepared) -> Plan:
+    from lmscli.plan import graph_fingerprint
+
+    return Plan(model=prepared.model.name, graph_sha256=graph_fingerprint(prepared.graph_def),
+                fetches=tuple(prepared.model.fetches), batch_size=None, device={}, strategy="swap", parameters={},
+                swaps=())
+
+
+def test_the_guard_names_a_stack_whose_move_changes_grapplers_work():
+    plan = replace(_bare(), host_stacks=(PlannedHostStack("s", ("push", "pop"), 10, 4),
+                                         PlannedHostStack("t", ("push2",), 10, 4)))
+    tensors, _ops = optguard.culprits(plan, frozenset({"pop"}))
+    assert tensors == ("s",)
+    assert [h.stack for h in optguard.without(plan, tensors, ()).host_stacks] == ["t"]
+
+
+def _bare() -> Plan:
+    return Plan(model="m", graph_sha256="0", fetches=(), batch_size=None, device={}, strategy="swap", parameters={},
+                swaps=())
+
+
+def test_copies_beyond_the_loops_compute_delay_the_step():
+    """Two ops of 10 us; the loop's copies take 1000 bytes at 1e6 bytes/s = 1000 us, of which the
+    loop's compute hides 300: the op at position 1 ends 700 us late. On an infinite link, nothing."""
+    tensors = (SimTensor(0, 0, 0, 100, (1,)),)
+    s = Schedule(nodes=(0, 1), names=("a", "b"), ops=("Op", "Op"), levels=(0, 1), compute=(10, 10),
+                 on_gpu=(True, True), tensors=tensors, inputs=((), (0,)), variable_bytes=0, constant_bytes=0,
+                 stack_copies=((1, 1000, 300),), host_held=((0, 1, 1000),))
+    assert simulate(s, link_bandwidth=1e6).step_time == pytest.approx(720e-6)
+    assert simulate(s).step_time == pytest.approx(20e-6)
+    assert simulate(s).host_peak_bytes == 1000 and simulate(s).stack_copy_bytes == 1000
+
+
+@pytest.mark.slow
+def test_an_lstm_as_dynamic_rnn_writes_it_fits_with_its_stacks_on_the_host(tmp_path):
+    """dynamic_rnn's LSTM (gates saved per step): no swap plan goes below its stacks; a plan
+    keeping them on the host fits, and the rewrite trains bit-identically."""
+    source = str(_lstm_loop(tmp_path / "lstm.meta"))
+    model = api.load(source)
+    prepared = api.prepare(model)
+    bound = api.analyze(prepared).lower_bound_bytes
+    plain = _plain_bound(prepared)
+    assert bound < plain
+    result = api.tune(prepared, api.make_device(gpu_mem=(bound + plain) // 2, reserve=0.0))
+    assert result.fits and result.plan.host_stacks
+    meta, _ = api.rewrite(prepared, result.plan)
+    out = tmp_path / "lstm.lms.meta"
+    api.save(model, meta, str(out))
+    from click.testing import CliRunner
+
+    checked = invoke(CliRunner(), "verify", source, out, "--json")
+    assert checked.exit_code == 0 and json.loads(checked.stdout)["identical"] is True, checked.output
+
+
+@pytest.mark.slow
+def test_stacks_on_the_host_are_proven_under_a_hard_limit(samples, tmp_path):
+    """`lms rewrite --stand-in --gpu-mem 10MiB`, then `lms verify --gpu-mem 10MiB`: the original
+    runs out of memory on the stand-in (it needs 14 MiB there), the rewrite trains, bit-identical."""
+    from click.testing import CliRunner
+
+    runner = CliRunner()
+    source, out = samples / "stack_rnn.meta", tmp_path / "stack_rnn.lms.meta"
+    done = invoke(runner, "rewrite", source, out, "--gpu-mem", "10MiB", "--stand-in", "--json")
+    assert done.exit_code == 0, done.output
+    plan = json.loads(done.stdout)["plan"]
+    assert plan["host_stacks"] and plan["predicted"]["stand_in"]["fits"]
+    checked = invoke(runner, "verify", source, out, "--gpu-mem", "10MiB", "--json")
+    proof = json.loads(checked.stdout)["limit"]
+    assert checked.exit_code == 0 and proof["proven"], proof
+    assert not proof["original"]["fits"] and proof["rewritten"]["fits"] and proof["identical"] is True
