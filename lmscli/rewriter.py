@@ -271,6 +271,19 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
     return out, report
 
 
+def emit(prepared, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, force: bool = False):
+    """Emit ``plan`` into a copy of a prepared step's graph (:class:`lmscli.analysis.Prepared`):
+    ``(meta_graph, RewriteReport)``; refuses a plan made for another graph."""
+    from lmscli.analysis import with_graph_def
+    from lmscli.plan import graph_fingerprint
+
+    if plan.graph_sha256 and plan.graph_sha256 != graph_fingerprint(prepared.graph_def):
+        raise PlanError("the plan was made for a different graph (fingerprint mismatch); "
+                        "re-run lms tune on this graph, or check --batch-size")
+    meta = with_graph_def(prepared.model.meta_graph, prepared.graph_def)
+    return rewrite(meta, plan, host_device=host_device, force=force, view=prepared.view)
+
+
 def _check_branches(before: GraphView, after: GraphView) -> None:
     """Every op of the graph runs in the same v1 cond branches and while-loop frame as before: a
     control edge from an op that may not run (it sits in a branch the step does not take) would

@@ -54,7 +54,7 @@ def test_the_run_search_plans_below_a_plan_that_sits_under_its_budget():
     otherwise come back unchanged round after round (a QA transformer failed at 75% that way)."""
     from types import SimpleNamespace
 
-    from lmscli.api import _RunSearch
+    from lmscli.tuning import _RunSearch
 
     search = _RunSearch(budget=100_000, margin=0)
     plan = SimpleNamespace(result=SimpleNamespace(peak_bytes=80_000))
@@ -67,7 +67,7 @@ def test_the_run_search_backs_off_when_the_planner_finds_nothing():
     before it, down to steps of 0.5% of the budget, then gives up."""
     from types import SimpleNamespace
 
-    from lmscli.api import _RunSearch
+    from lmscli.tuning import _RunSearch
 
     search = _RunSearch(budget=100_000, margin=0)
     search.judged(SimpleNamespace(result=SimpleNamespace(peak_bytes=80_000)), 105_000)

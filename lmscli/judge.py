@@ -1,0 +1,142 @@
+"""The checks a plan's rewrite must pass before the tune loop (:mod:`lmscli.tuning`) accepts it.
+
+* the **optimizer guard** (:func:`optimizer_culprits`): Grappler's default optimizations must treat
+  the rewritten graph as they treat the original, else training is not bit-identical; the edits
+  that make them differ are named, and the loop plans again without them;
+* the **judge** (:func:`run_peak`): the peak of the graph a Session really runs (the rewrite after
+  Grappler's optimizations) by the executor model or, for the stand-in, by real runs under the
+  limit (:func:`stand_in_need`);
+* **Grappler's estimate** (:func:`check_with_grappler`), kept as a second opinion.
+"""
+
+from __future__ import annotations
+
+from lmscli import timing
+from lmscli.analysis import Prepared
+from lmscli.device import Device
+from lmscli.plan import Plan
+from lmscli.rewriter import DEFAULT_HOST_DEVICE, emit
+from lmscli.timing import timed
+from lmscli.units import format_size
+
+GUARD_HOPS = 4  # how far from a node Grappler optimizes differently a swap is held responsible
+
+
+def check_with_grappler(prepared: Prepared, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE,
+                        rewritten=None) -> dict:
+    """Grappler's estimate of the rewritten graph (tensors on each virtual GPU, plus the bytes
+    resident there). ``per_device`` holds each GPU's figures; the top-level ones are the largest.
+    ``rewritten`` (the plan already emitted) saves emitting it again."""
+    from lmscli import grappler
+
+    meta = rewritten if rewritten is not None else emit(prepared, plan, host_device=host_device, force=True)[0]
+    estimate = grappler.estimate_peak(meta, prepared.model.fetches)
+    budget = int(plan.device.get("budget_bytes", 0))
+    per_device = {}
+    for schedule in prepared.schedules or (prepared.schedule,):
+        tensors = estimate.gpu_peaks.get(schedule.device, 0)
+        total = tensors + schedule.resident_bytes
+        per_device[schedule.device] = {"peak_bytes": total, "tensor_peak_bytes": tensors,
+                                       "fits": total <= budget if budget else None}
+    worst = max(per_device.values(), key=lambda f: f["peak_bytes"])
+    figures = {"peak_bytes": worst["peak_bytes"], "tensor_peak_bytes": worst["tensor_peak_bytes"],
+               "host_peak_bytes": estimate.host_peak_bytes,
+               "fits": all(f["fits"] for f in per_device.values()) if budget else None}
+    if len(per_device) > 1:
+        figures["per_device"] = per_device
+    return figures
+
+
+def _breaking(prepared: Prepared, plan: Plan) -> tuple[str, ...]:
+    """The tensors of a smallest part of ``plan``'s edits, found by halving, whose rewrite
+    Grappler's default optimizations fail on (all of them when no half fails alone)."""
+    from lmscli import grappler, optguard
+
+    every = [edit.tensor for edit in plan.edits] + [h.stack for h in plan.host_stacks]
+
+    def fails(keep: list) -> bool:
+        part = optguard.without(plan, set(every) - set(keep), ())
+        return grappler.optimize(emit(prepared, part, force=True)[0], prepared.model.fetches) is None
+
+    found = every
+    while len(found) > 1:
+        half = len(found) // 2
+        if fails(found[:half]):
+            found = found[:half]
+        elif fails(found[half:]):
+            found = found[half:]
+        else:
+            break
+    return tuple(found)
+
+
+def optimizer_culprits(prepared: Prepared, plan: Plan, rewritten, optimized=None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The swapped tensors and serialized ops of ``plan`` that make Grappler's default
+    optimizations treat ``rewritten`` differently from the original (see :mod:`lmscli.optguard`).
+    ``optimized``: what those optimizations make of ``rewritten``, if already known."""
+    from lmscli import grappler, optguard
+
+    if prepared.optimized is None or not (plan.changes or plan.serialize):
+        return (), ()
+    if optimized is None:
+        optimized = grappler.optimize(rewritten, prepared.model.fetches)
+    if optimized is None:
+        # Grappler optimizes the original but fails on the rewrite (a Session would then run it
+        # unoptimized, or with optimizers skipped): the edits that make it fail are the culprits.
+        return _breaking(prepared, plan), ()
+    names = optguard.involved(prepared.optimized, optimized)
+    if not names:
+        return (), ()
+    for hops in range(GUARD_HOPS + 1):  # the nearest swaps first
+        found = optguard.culprits(plan, optguard.around(prepared.view, names, hops))
+        if found[0] or found[1]:
+            return found
+    return (), ()
+
+
+def run_peak(prepared: Prepared, rewritten, optimized, link_bandwidth: float = float("inf"),
+             device: Device | None = None) -> int | None:
+    """The judge's figure for ``rewritten``: see :func:`lmscli.analysis.run_peak`, with transfers at
+    ``link_bandwidth``. For the stand-in (a step prepared with :func:`lmscli.api.for_stand_in`) the judge is
+    the truth: :func:`stand_in_need` on ``device``."""
+    from lmscli.analysis import run_peak as peak_of
+
+    if prepared.stand_in is None or device is None:
+        return peak_of(prepared.model, rewritten, optimized, link_bandwidth=link_bandwidth,
+                       known=prepared.view.tensor_facts())
+    return stand_in_need(prepared, rewritten, device)
+
+
+STAND_IN_JUDGE_RUNS = 5  # fresh runs of a rewrite on the stand-in before its judge says it fits ...
+STAND_IN_JUDGE_STEPS = 2  # ... of this many training steps each, as `lms verify` runs
+
+
+@timed("judge on the stand-in")
+def stand_in_need(prepared: Prepared, rewritten, device: Device) -> int:
+    """The rewritten step run on the stand-in GPU as ``lms verify --gpu-mem`` will run it: under
+    the device's whole memory (in whole MiB), :data:`STAND_IN_JUDGE_RUNS` fresh runs of
+    :data:`STAND_IN_JUDGE_STEPS` steps. When every run fits, the budget (or the allocator's peak
+    bytes in use, if less); else the budget plus what the failed run lacked (what it had in use
+    and the request that failed, beyond the limit; 2% when unknown); the runs themselves are recorded
+    in the plan (``predicted['stand_in']``). The room between the budget
+    and the memory (``--reserve``) is what absorbs the runs' variation: the executor's order and
+    the moments transfers land vary, and with them the allocator's fragmentation (not even
+    monotonically: a plan can fit under one limit and not under a larger one, whose region splits
+    differently). So the judge runs the step under the very limit it will be proven at, and
+    treats runs whose peak in use leaves less than half the reserve (at least 1 MiB) free as not
+    fitting by that much: a QA Inception plan that trained 5 times at 98% of its limit then ran
+    out of memory in `lms verify`."""
+    from lmscli.prove.standin import MIB
+
+    limit = max(MIB, device.gpu_mem // MIB * MIB)
+    timing.step(f"running the rewritten step on the stand-in under {format_size(limit)}")
+    verdict = prepared.stand_in.run(rewritten, prepared.model.fetches, limit, batch_size=prepared.batch_size or 1,
+                                    runs=STAND_IN_JUDGE_RUNS, steps=STAND_IN_JUDGE_STEPS, peak=True)
+    if verdict.fits:
+        # Runs that fit with little room left fail in some later run (the allocator's chunks split
+        # differently): the peak in use must leave half the reserve free (at least 1 MiB).
+        safe = limit - max(MIB, int(limit * device.reserve / 2))
+        if verdict.peak_bytes is not None and verdict.peak_bytes > safe:
+            return device.budget + max(verdict.peak_bytes - safe, MIB // 4)
+        return min(verdict.peak_bytes or device.budget, device.budget)
+    return device.budget + max((verdict.need_bytes or 0) - limit, MIB, limit // 50)

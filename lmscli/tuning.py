@@ -1,0 +1,456 @@
+"""The tune loop: plan, check, replan.
+
+The planner (:mod:`lmscli.planner`) plans against the simulator; each plan is then rewritten and
+checked (:mod:`lmscli.judge`): the optimizer guard names edits that change Grappler's
+optimizations (planned again without them), and the judge gives the peak of the graph a Session
+runs, against which the planning margin moves until a plan fits (:class:`_RunSearch`). With
+``--judge grappler``, Grappler's estimate is the judge, and TFLMS's parameter sets are tried just
+below the lower bound (:func:`reordering_fallback`). :func:`find_max_batch` searches the largest
+batch size a plan fits with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from lmscli import timing
+from lmscli.analysis import Prepared, prepare
+from lmscli.device import Device
+from lmscli.errors import InputError, NoFitError
+from lmscli.judge import STAND_IN_JUDGE_STEPS, check_with_grappler, optimizer_culprits, run_peak
+from lmscli.loader import Model
+from lmscli.planner import TFLMS_SEARCH_MAX_OPS, TuneOptions, TuneResult, strategy_name
+from lmscli.rewriter import DEFAULT_HOST_DEVICE, emit
+from lmscli.timing import timed
+from lmscli.units import format_size
+
+GRAPPLER_ROUNDS = 4  # plans re-made with a tighter budget while Grappler's estimate is over it
+GUARD_ROUNDS = 4  # plans re-made without the swaps that change Grappler's optimizations
+FALLBACK_SHARE = 0.85  # budgets this share of the lower bound and above get the reordering fallback
+
+
+def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(), check: bool = True,
+         host_device: str = DEFAULT_HOST_DEVICE, guard: bool = True) -> TuneResult:
+    """Plan with the simulator, then check the plan twice, replanning until both agree (see
+    :func:`checked_tune`). When the simulator finds no plan, TFLMS's parameter sets are tried
+    with Grappler's estimate as the judge (:func:`reordering_fallback`)."""
+    try:
+        try:
+            result = checked_tune(prepared, device, options, check, host_device, guard)
+            return _or_swap_plan(prepared, device, options, check, host_device, guard, result)
+        except NoFitError as exc:
+            if strategy_name(options.strategy) != "hybrid" or timing.out_of_time() or (
+                    exc.bound_bytes is not None and exc.bound_bytes > device.budget):
+                raise
+            # The judge turned down every plan the hybrid chose (each the fastest of its round), and
+            # a swap-only plan may still pass: the hybrid reaches every budget the swap planner does.
+            try:
+                result = checked_tune(prepared, device, replace(options, strategy="swap"), check, host_device, guard)
+            except NoFitError:
+                raise exc from None
+            line = ("[LMS] no plan with recomputations passed the judge at this budget; the swap-only planner's "
+                    "plan does")
+            return replace(result, log=result.log + (line,))
+    except NoFitError as exc:
+        if not check or options.tflms is not None or prepared.schedule.memory_model != "grappler":
+            raise
+        if timing.out_of_time():
+            raise
+        if exc.bound_bytes is not None and device.budget < FALLBACK_SHARE * exc.bound_bytes:
+            raise  # reordering has won 8-13% below the bound on the graphs tried, never this much
+        if len(prepared.schedule) > TFLMS_SEARCH_MAX_OPS:
+            raise  # eight guarded, Grappler-judged probes cost minutes on graphs this large
+        fallback = reordering_fallback(prepared, device, options, host_device, guard)
+        if fallback is None:
+            raise
+        return fallback
+
+
+def _or_swap_plan(prepared: Prepared, device: Device, options: TuneOptions, check: bool, host_device: str,
+                  guard: bool, result: TuneResult) -> TuneResult:
+    """The hybrid's plan, or the swap planner's if that is predicted faster. Both searches move the
+    planning margin until the judge accepts a plan, and they take different paths (the hybrid keeps
+    the fastest candidate of each round, the swap planner the one moving the fewest bytes), so the
+    swap planner's search can end on a faster plan; the hybrid must never be slower than it."""
+    if (strategy_name(options.strategy) != "hybrid" or not result.necessary or timing.out_of_time()
+            or result.result.step_time <= result.baseline.step_time or len(prepared.schedules) > 1):
+        return result
+    try:
+        swap = checked_tune(prepared, device, replace(options, strategy="swap"), check, host_device, guard)
+    except NoFitError:
+        return result
+    if not swap.fits or swap.result.step_time >= result.result.step_time:
+        return result
+    line = "[LMS] the swap planner's own search found a faster plan than the hybrid's; using it"
+    return replace(swap, log=swap.log + (line,))
+
+
+@timed("reordering fallback")
+def reordering_fallback(prepared: Prepared, device: Device, options: TuneOptions, host_device: str = DEFAULT_HOST_DEVICE,
+                        guard: bool = True) -> TuneResult | None:
+    """TFLMS's parameter sets judged by Grappler's estimate of the rewritten graph, for budgets the
+    simulator finds no plan for. The simulator keeps the step's order, and the lower bound is that
+    order's; the control edges of synchronous swaps and shared swap-ins make Grappler's scheduler
+    order the step differently, which can fit where that order cannot. Of the plans that fit, the
+    one that swaps the fewest bytes wins; its swapout_threshold is then raised while it still fits.
+    None when none fits."""
+    from lmscli.planner import TflmsParams
+
+    def attempt(params):
+        try:
+            result = checked_tune(prepared, device, replace(options, strategy="tflms", tflms=params), True,
+                                  host_device, guard)
+        except NoFitError:
+            return None
+        return result if result.plan.grappler.get("fits") else None
+
+    found = [r for r in (attempt(TflmsParams(1, 1, groupby, sync)) for sync in range(4) for groupby in (0, 5)) if r]
+    if not found:
+        return None
+    def params_of(result) -> TflmsParams:
+        return TflmsParams(**{k: result.plan.parameters[k] for k in TflmsParams.__dataclass_fields__})
+
+    best = min(found, key=lambda r: (r.plan.swap_out_bytes, r.plan.predicted["step_time_s"]))
+    params = params_of(best)
+    threshold = 2
+    while threshold < max(prepared.schedule.levels, default=0):
+        better = attempt(replace(params, swapout_threshold=threshold))
+        if better is None or better.plan.swap_out_bytes >= best.plan.swap_out_bytes:
+            break
+        best, threshold = better, threshold * 2
+    line = (f"[LMS] the simulator keeps the step's order and finds no plan in it; with TFLMS parameters "
+            f"{params_of(best).line()} Grappler's scheduler "
+            f"orders the step differently and its estimate fits ({best.plan.grappler['peak_bytes']:,} bytes)")
+    return replace(best, log=best.log + (line,), judge="grappler")
+
+
+@timed("tune")
+def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(), check: bool = True,
+                 host_device: str = DEFAULT_HOST_DEVICE, guard: bool = True) -> TuneResult:
+    """Plan with the simulator, then check the plan twice, replanning until both agree:
+
+    * the optimizer guard: Grappler's default optimizations must treat the rewritten graph as they
+      treat the original (else training is not bit-identical); swaps that change them are
+      forbidden and the graph replanned;
+    * the judge: under the executor model (the default) the executor model's peak of the graph
+      TensorFlow runs (the Grappler-optimized rewrite, :func:`run_peak`) must meet the budget; the
+      planning margin moves by the difference (:class:`_RunSearch`) and Grappler's estimate is
+      recorded as a second opinion. With ``--judge grappler`` (a schedule counted by Grappler's
+      memory model), Grappler's estimate must fit (per GPU, for graphs placed on several); while
+      it does not, the budget is tightened by the overshoot.
+
+    ``check=False`` skips the estimate, ``guard=False`` the guard. Grappler's figures are stored in
+    ``plan.grappler``, with the tensors the guard left alone."""
+    from lmscli import optguard
+    from lmscli.planner import tune as plan_tune
+
+    margins: dict[str, int] = {}
+    forbidden: set[str] = set()
+    start = _run_margin(prepared, device, options)
+    if start:
+        margins[prepared.schedule.device] = start
+    manual = options.strategy == "tflms" and options.tflms is not None
+    try:
+        result = plan_tune(prepared, device, options, margin=dict(margins))
+    except NoFitError:
+        run = prepared.run_peak_bytes if prepared.schedule.memory_model == "executor" and not manual else None
+        if run is None or run > device.budget or len(prepared.schedules) > 1:
+            raise
+        # The graph as written is over the budget and below it nothing fits, but the graph
+        # TensorFlow runs fits as it is (the judge below says so): plan nothing.
+        from lmscli.simulator import simulate
+
+        margins[prepared.schedule.device] = device.budget - simulate(prepared.schedule, detail=False).peak_bytes
+        result = plan_tune(prepared, device, options, margin=dict(margins))
+    if not (check or guard):
+        return result
+    estimate_rounds = guard_rounds = 0
+
+    def noted(result):
+        if not forbidden:
+            return result
+        line = (f"[LMS] left {len(forbidden)} tensor(s) unswapped: a swap node there changes what Grappler's "
+                f"optimizations do to the graph, and with it the last bits of the results ({guard_rounds} round(s))")
+        return replace(result, log=result.log + (line,))
+
+    executor = prepared.schedule.memory_model == "executor"
+    search = _RunSearch(device.budget, margins.get(prepared.schedule.device, 0), prepared.schedule.resident_bytes)
+    rounds = 0
+    while True:
+        rounds += 1
+        timing.step(f"round {rounds}: checking a plan of {len(result.plan.swaps)} swap(s)"
+                    + (f" and {len(result.plan.recomputes)} recomputation(s)" if result.plan.recomputes else ""))
+        meta, _ = emit(prepared, result.plan, host_device=host_device, force=True)
+        optimized = None
+        if guard or (executor and result.plan.changes):
+            from lmscli import grappler
+
+            optimized = grappler.optimize(meta, prepared.model.fetches)
+        tensors, _ops = optimizer_culprits(prepared, result.plan, meta, optimized) if guard else ((), ())
+        if tensors:
+            forbidden.update(tensors)
+            guard_rounds += 1
+            if search.found and timing.out_of_time():  # a judged, guarded plan is at hand: settle for it
+                search.timed_out = True
+                result = search.settle(rounds)
+                continue
+            if guard_rounds <= GUARD_ROUNDS:  # plan again without them ...
+                timing.step(f"round {rounds}: {len(tensors)} swap(s) change Grappler's optimizations; replanning")
+                options = replace(options, forbidden=frozenset(forbidden))
+                try:
+                    result = plan_tune(prepared, device, options, margin=dict(margins))
+                except NoFitError:
+                    if not search.found:
+                        raise
+                    result = search.settle(rounds)  # judged and guarded already: settle for it
+                continue
+            else:  # ... or, after that many rounds, just drop them from the plan
+                result = _resimulated(prepared, replace(result, plan=optguard.without(result.plan, tensors, ())))
+                continue
+        if executor and not manual and len(prepared.schedules) <= 1 and prepared.run_peak_bytes is not None:
+            # The judge: the executor model on the graph the Session runs (Grappler-optimized).
+            # (On the stand-in the step is run even when nothing is planned: the truth, not a model.)
+            peak = (run_peak(prepared, meta, optimized, device.link_bandwidth, device)
+                    if result.plan.changes or prepared.stand_in is not None else prepared.run_peak_bytes)
+            if peak is not None and not result.plan.changes and peak <= device.budget:
+                line = ("[LMS] [Simulator] LMS is not necessary: the graph TensorFlow runs after its optimizations "
+                        f"needs {peak:,} bytes <= {device.budget:,}")
+                result = replace(result, necessary=False, log=result.log + (line,),
+                                 plan=replace(result.plan, predicted=dict(result.plan.predicted, run_peak_bytes=peak)))
+            elif peak is not None:
+                figures = dict(result.plan.predicted, run_peak_bytes=peak)
+                verdict = prepared.stand_in.last_verdict if prepared.stand_in is not None else None
+                if verdict is not None:  # what the judge's real runs showed (run_peak_bytes: fits or not)
+                    figures["stand_in"] = {"limit_bytes": verdict.limit_bytes, "runs": verdict.runs,
+                                           "steps": STAND_IN_JUDGE_STEPS, "fits": verdict.fits,
+                                           "peak_in_use_bytes": verdict.peak_bytes, "failure": verdict.message}
+                    search.note = verdict.message
+                    if verdict.fits and peak > device.budget and verdict.peak_bytes and verdict.limit_bytes:
+                        search.note = (f"trained, but with only {format_size(verdict.limit_bytes - verdict.peak_bytes)}"
+                                       f" free at its peak under {format_size(verdict.limit_bytes)} (too little "
+                                       "to hold in every run)")
+                result = replace(result, plan=replace(result.plan, predicted=figures))
+                step = search.judged(result, peak)
+                timing.step(f"round {rounds}: the graph TensorFlow runs needs {format_size(peak)} "
+                            f"(budget {format_size(device.budget)})")
+                if step is not None and search.found and timing.out_of_time():
+                    step = None  # refining further would pass --time-limit
+                    search.timed_out = True
+                if step is not None and not result.plan.changes:
+                    # Nothing was planned (the graph as written fits the planning budget): plan for
+                    # less than the graph as written needs, or the next round plans nothing again.
+                    written = result.baseline.peak_bytes
+                    step = search.margin = max(step, device.budget - written + device.budget // 200)
+                replanned = False
+                while step is not None:
+                    margins[prepared.schedule.device] = step
+                    try:
+                        result = plan_tune(prepared, device, options, margin=dict(margins))
+                        replanned = True
+                        break
+                    except NoFitError:
+                        step = search.backoff()  # planned for too little: try half as far
+                        if step is None and not search.found:
+                            raise
+                if replanned:
+                    continue
+                best = search.settle(rounds)
+                if best is not result:
+                    result = best
+                    meta, _ = emit(prepared, result.plan, host_device=host_device, force=True)
+        if not check:
+            return noted(replace(result, plan=replace(result.plan, grappler={"left_alone": sorted(forbidden)}
+                                                      if forbidden else {})))
+        figures = check_with_grappler(prepared, result.plan, host_device, rewritten=meta)
+        estimate_rounds += 1
+        figures["rounds"] = estimate_rounds
+        figures["margin_bytes"] = max(margins.values(), default=0)
+        figures["left_alone"] = sorted(forbidden)
+        result = replace(result, plan=replace(result.plan, grappler=figures))
+        if figures["fits"] or manual or prepared.schedule.memory_model != "grappler":
+            return noted(result)  # under the executor model, Grappler's estimate is a second opinion
+        if estimate_rounds >= GRAPPLER_ROUNDS or timing.out_of_time():
+            break
+        per_device = figures.get("per_device") or {prepared.schedule.device: figures}
+        for name, f in per_device.items():
+            if not f["fits"]:
+                margins[name] = margins.get(name, 0) + max(f["peak_bytes"] - device.budget, device.budget // 200)
+        result = plan_tune(prepared, device, options, margin=dict(margins))
+    raise NoFitError(f"the simulator found plans, but Grappler's estimate stayed over the budget after "
+                     f"{GRAPPLER_ROUNDS} rounds (last {figures['peak_bytes']:,} bytes > {device.budget:,}); "
+                     "try a slightly larger --gpu-mem", budget_bytes=device.budget)
+
+
+def _resimulated(prepared: Prepared, result: TuneResult) -> TuneResult:
+    """``result`` with its figures simulated again for the plan it now holds (after the guard took
+    swaps or recomputations out of it); the judge then judges it again."""
+    if len(prepared.schedules) > 1:
+        return result
+    from lmscli.plan import simulated
+    from lmscli.planner import predicted
+    from lmscli.simulator import simulate
+
+    device = Device.from_dict(result.plan.device)
+    sim = simulate(*simulated(result.plan, prepared.schedule, prepared.view), device.link_bandwidth)
+    return replace(result, result=sim, plan=replace(result.plan, predicted=predicted(result.baseline, sim, result.budget)))
+
+
+def _run_margin(prepared: Prepared, device: Device, options: TuneOptions) -> int:
+    """The planning margin to start from under the executor judge: when Grappler's optimizations
+    shrink the step (the optimized graph's peak below the peak as written), plan for the budget
+    scaled up by that ratio, so that the graph the Session runs lands near the budget."""
+    if (prepared.schedule.memory_model != "executor" or len(prepared.schedules) > 1
+            or (options.strategy == "tflms" and options.tflms is not None)):
+        return 0
+    from lmscli.simulator import simulate
+
+    written = simulate(prepared.schedule, detail=False).peak_bytes
+    runs = prepared.run_peak_bytes
+    if runs is None or written <= 0 or runs >= written:
+        return 0
+    return device.budget - int(device.budget * written / runs)
+
+
+class _RunSearch:
+    """The planning budget that makes the optimized graph's peak meet the real budget.
+
+    The planner works on the graph as written; the Session runs what Grappler's optimizations make
+    of it, which may need less (folded and fused subgraphs) or more. Each round the planning
+    margin moves by the difference between the judged peak and the budget; the fitting plan that
+    swaps the fewest bytes is kept, and the search stops once a fitting plan is within 2% of the
+    budget or after :data:`RUN_ROUNDS` rounds."""
+
+    def __init__(self, budget: int, margin: int, floor: int = 0):
+        self.budget, self.margin = budget, margin
+        self.floor = floor  # planning below this (what stays resident) cannot be right: stop instead
+        self.rounds = 0
+        self.found: list = []
+        self.last = None
+        self.done = False  # settled on the best plan found
+        self.note = None  # what the stand-in said of the last plan it ran
+        self.previous = margin  # the margin before the last step (see backoff)
+        self.timed_out = False  # settled because --time-limit passed
+
+    def judged(self, result, peak: int) -> int | None:
+        """Record a judged plan; the next margin to plan with, or None to stop."""
+        if self.done:
+            return None
+        self.rounds += 1
+        self.last = result
+        if peak <= self.budget:
+            self.found.append(result)
+            if peak >= 0.97 * self.budget:
+                return None
+        if self.rounds >= RUN_ROUNDS:
+            return None
+        step = peak - self.budget
+        if step > 0:
+            step = max(step, self.budget // 200)
+            # Plan the graph as written for less than this plan needs as written (its peak may sit
+            # well under the planning budget: a larger margin alone would give the same plan).
+            written = getattr(getattr(result, "result", None), "peak_bytes", None)
+            if written is not None:
+                step = max(step, self.budget - written + step - self.margin)
+        if self.budget - (self.margin + step) <= self.floor:
+            return None  # the graph as written would be planned for less than stays resident
+        self.previous = self.margin
+        self.margin += step
+        return self.margin
+
+    def backoff(self) -> int | None:
+        """The planner found nothing at the last margin: half-way back to the one before, or None
+        once the two are within 0.5% of the budget."""
+        if self.margin - self.previous <= self.budget // 200:
+            return None
+        self.margin = (self.margin + self.previous) // 2
+        return self.margin
+
+    def best(self):
+        if not self.found:
+            peak = self.last.plan.predicted.get("run_peak_bytes")
+            if self.note:
+                raise NoFitError(f"no plan made held on the stand-in after {self.rounds} round(s); the last one: "
+                                 f"{self.note}; try a slightly larger --gpu-mem or leave more room (--reserve)",
+                                 budget_bytes=self.budget)
+            raise NoFitError(f"planned for the graph as written, but the graph TensorFlow runs after its optimizations "
+                             f"still needs {peak:,} bytes > {self.budget:,} after {self.rounds} round(s); try a "
+                             "slightly larger --gpu-mem", budget_bytes=self.budget)
+        if self.found[0].plan.strategy in ("hybrid", "recompute"):  # a short step, then the least moved
+            from lmscli.planner import STEP_TOLERANCE
+
+            fastest = min(r.plan.predicted["step_time_s"] for r in self.found)
+            fast = [r for r in self.found if r.plan.predicted["step_time_s"] <= fastest * (1 + STEP_TOLERANCE) + 1e-6]
+            return min(fast, key=lambda r: (r.plan.swap_out_bytes + r.plan.recompute_bytes,
+                                            r.plan.predicted["step_time_s"], r.plan.predicted["run_peak_bytes"]))
+        return min(self.found, key=lambda r: (r.plan.swap_out_bytes, r.plan.predicted["run_peak_bytes"]))
+
+    def settle(self, rounds: int):
+        """Stop searching: the best plan found, marked when --time-limit stopped the search (the
+        mark is kept with the plan, so settling again returns the same marked plan)."""
+        self.done = True
+        best = self.best()
+        if self.timed_out and not best.time_limited:
+            line = (f"[LMS] stopped at --time-limit after {rounds} round(s): the best fitting plan found by then "
+                    "(more time may find one that swaps less)")
+            marked = replace(best, time_limited=True, log=best.log + (line,))
+            self.found = [marked if r is best else r for r in self.found]
+            best = marked
+        return best
+
+
+RUN_ROUNDS = 5
+
+
+@timed("largest batch search")
+def find_max_batch(model: Model, device: Device, options: TuneOptions = TuneOptions(), limit: int = 1 << 16,
+                   cost_model: str = "grappler", judge: str = "executor"):
+    """The largest batch size for which a plan fits ``device`` (exponential then binary search).
+    Returns ``(batch_size, TuneResult, Prepared)``; raises NoFitError if batch 1 does not fit."""
+    def attempt(batch: int):
+        prepared = prepare(model, batch_size=batch, cost_model=cost_model, judge=judge)
+        if not prepared.batched_placeholders:
+            raise InputError("--find-max-batch needs a graph whose placeholders have an unknown batch dimension")
+        try:
+            return tune(prepared, device, options, check=False, guard=False), prepared
+        except NoFitError:
+            return None
+
+    first = attempt(1)
+    if first is None:
+        raise NoFitError("even batch size 1 does not fit this device")
+    best = (1,) + first
+    lo, hi = 1, None
+    batch = 2
+    stopped = False
+    while hi is None and batch <= limit:
+        if timing.out_of_time():
+            stopped = True
+            break
+        timing.step(f"batch size {batch}")
+        got = attempt(batch)
+        if got is None:
+            hi = batch
+        else:
+            best, lo = (batch,) + got, batch
+            batch *= 2
+    if hi is None:
+        hi = limit + 1
+    while hi - lo > 1 and not stopped:
+        if timing.out_of_time():
+            stopped = True
+            break
+        mid = (lo + hi) // 2
+        timing.step(f"batch size {mid}")
+        got = attempt(mid)
+        if got is None:
+            hi = mid
+        else:
+            best, lo = (mid,) + got, mid
+    batch, _result, prepared = best
+    result = tune(prepared, device, options, check=True)
+    if stopped:
+        untried = (f"{hi} does not fit, sizes between were not tried" if hi is not None
+                   else "larger sizes were not tried")
+        line = f"[LMS] stopped the batch-size search at --time-limit: {batch} fits ({untried})"
+        result = replace(result, time_limited=True, log=result.log + (line,))
+    return batch, result, prepared
