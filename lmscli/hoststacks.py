@@ -161,7 +161,9 @@ def hosting(schedule: Schedule, view: GraphView, stacks) -> Schedule:
             entry[0] = pick(entry[0], pick(ops))
             entry[1] += h.copy_bytes
             entry[2] = max(entry[2], h.trips)
-        held.append((min(ran_pushes), max(ran_pops, default=len(schedule) - 1), h.num_bytes))
+        kept_until = max((t.consumers[-1] for t in schedule.tensors if t.id in drop and t.consumers
+                          and schedule.nodes[t.producer] in h.pushes), default=max(ran_pops, default=len(schedule) - 1))
+        held.append((min(ran_pushes), kept_until, h.num_bytes))
     stack_copies = tuple(sorted((pos, num_bytes, trips * frame_compute.get(frame, 0))
                                 for (frame, _direction), (pos, num_bytes, trips) in copies.items()))
     return replace(schedule.without_tensors(drop), stack_copies=schedule.stack_copies + stack_copies,

@@ -27,6 +27,10 @@ def plan_details(prepared, result, limit: int = 10) -> dict:
     """Plain data for the reports of a plan: ``top_live_at_peak`` (the largest tensors live at the
     peak with the plan) and ``op_levels`` (the level of every op the plan names)."""
     sched, view = prepared.schedule, prepared.view
+    if result.plan.host_stacks:  # the schedule the plan was simulated on: its stacks' tensors left out
+        from lmscli.plan import simulated
+
+        sched = simulated(result.plan, sched, view)[0]
     named = set()
     for swap in result.plan.swaps:
         named.add(swap.tensor.rsplit(":", 1)[0])

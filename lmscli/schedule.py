@@ -249,17 +249,30 @@ def loop_storage(view: GraphView):
     return cached
 
 
-def _add_storage(tensors: list, inputs: list, pos: int, kept, position: dict, n: int) -> None:
+def _add_storage(tensors: list, inputs: list, pos: int, kept, position: dict, n: int, loop_end: int = -1) -> None:
     """A tensor of ``kept.num_bytes`` made at ``pos`` (a push, a TensorArray write) and read by the
-    pops or reads of the same stack or array (the last op of the step when none runs)::
+    pops or reads of the same stack or array (the last op of the step when none runs), and held
+    at least to ``loop_end``, the last op of the loop it is filled in (outermost, for nested loops)::
 
         StackPushV2 (pos) --- 64 x element ---> StackPopV2      one tensor, output -1
+
+    The schedule runs a loop body once, in an order that may put one stack's push after another's
+    pop; in a real step every stack of a loop is full when the loop ends, so each is held that long.
     """
-    readers = tuple(sorted({position[r] for r in kept.readers if r in position and position[r] > pos})) or (n - 1,)
+    readers = {position[r] for r in kept.readers if r in position and position[r] > pos}
+    if readers and loop_end > pos:
+        readers.add(loop_end)
+    readers = tuple(sorted(readers)) or (n - 1,)
     tid = len(tensors)
     tensors.append(SimTensor(tid, pos, STORAGE_OUTPUT, kept.num_bytes, readers))
     for reader in readers:
         inputs[reader].append(tid)
+
+
+def _outermost(view: GraphView, frame: str) -> str:
+    while view.frame_parent.get(frame):
+        frame = view.frame_parent[frame]
+    return frame
 
 
 def _describe(view: GraphView, order: list[int], cost: dict, on_gpu: list[bool], device: str) -> Schedule:
@@ -272,11 +285,17 @@ def _describe(view: GraphView, order: list[int], cost: dict, on_gpu: list[bool],
     tensors: list[SimTensor] = []
     inputs: list[list[int]] = [[] for _ in order]
     kept = {s.writer: s for s in loop_storage(view)}
+    loop_end: dict[str, int] = {}  # outermost loop frame -> its last position
+    if kept:
+        for pos, i in enumerate(order):
+            if view.frames[i]:
+                loop_end[_outermost(view, view.frames[i])] = pos
     for pos, i in enumerate(order):
         if view.ops[i] in VARIABLE_OPS:
             continue
         if i in kept and on_gpu[pos]:
-            _add_storage(tensors, inputs, pos, kept[i], position, len(order))
+            end = loop_end.get(_outermost(view, view.frames[i]), -1) if view.frames[i] else -1
+            _add_storage(tensors, inputs, pos, kept[i], position, len(order), end)
         is_const = view.ops[i] in CONSTANT_OPS
         by_output: dict[int, set[int]] = {}
         for dst, _port, output in view.consumers[i]:

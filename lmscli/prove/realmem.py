@@ -209,9 +209,10 @@ def prove_at_limit(original, rewritten, limit_bytes: int, steps: int = 1, runs: 
         squeezed = compare(free.result, rewrite.result)
         if squeezed is not None:
             notes.append(f"at {format_size(limit_bytes)} the rewritten graph's results differ from its own run without a "
-                         f"limit ({squeezed.message}): the same graph computes differently under the limit, so this "
-                         "comes from running under memory pressure (kernels whose preferred temporaries do not fit "
-                         "take other code paths), not from the rewrite, which computes bit-identically")
+                         f"limit ({squeezed.message}): the same graph computes differently with and without the "
+                         "limit (another allocator, so other buffer addresses and, for some kernels, other code "
+                         "paths; seen even for a graph compared with itself), not because of the rewrite, which "
+                         "computes bit-identically")
     return LimitProof(limit_bytes, at_limit, rewrite, identical, difference, steps, tuple(notes))
 
 
