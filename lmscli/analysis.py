@@ -16,7 +16,7 @@ from lmscli.candidates import Filters, candidates
 from lmscli.errors import InputError
 from lmscli.graphview import VARIABLE_OPS, GraphView
 from lmscli.loader import Model
-from lmscli.schedule import STORAGE_OUTPUT, Schedule, build_schedules, variable_bytes
+from lmscli.schedule import STORAGE_OUTPUT, Schedule, build_schedules, loop_counts, variable_bytes
 from lmscli.simulator import SimResult, simulate
 from lmscli.timing import timed
 
@@ -530,7 +530,7 @@ def _loop_notes(view: GraphView, active) -> tuple[str, ...]:
         return ()
     from lmscli import loops
 
-    return loops.notes(view, active, loops.trip_counts(view))
+    return loops.notes(view, active, loop_counts(view))
 
 
 def _call_notes(view: GraphView, active) -> tuple[str, ...]:

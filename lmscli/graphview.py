@@ -318,7 +318,8 @@ class GraphView:
         """The same structure with tensor facts attached (no structural work is redone)."""
         other = object.__new__(GraphView)
         other.__dict__.update(self.__dict__)
-        other.__dict__.pop("_loop_storage", None)  # sized by tensor facts (lmscli.schedule.loop_storage)
+        for key in ("_loop_storage", "_loop_counts", "_loop_trips"):  # (lmscli.schedule: sized or counted by shapes)
+            other.__dict__.pop(key, None)
         other._tensors = {k: tuple(v) for k, v in tensors.items()}
         return other
 

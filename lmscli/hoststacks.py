@@ -134,7 +134,8 @@ def named(view: GraphView, stacks) -> tuple[Hostable, ...]:
 def hosting(schedule: Schedule, view: GraphView, stacks) -> Schedule:
     """``schedule`` with ``stacks`` on the host: what they keep leaves GPU memory, and the copies
     their pushes and pops make (one iteration's value each, each way) are work for the link,
-    hidden behind the loop's compute as far as it lasts (:attr:`Schedule.stack_copies`)."""
+    hidden behind the loop's compute (all its iterations) as far as it lasts
+    (:attr:`Schedule.stack_copies`)."""
     if not stacks:
         return schedule
     position = {node: k for k, node in enumerate(schedule.nodes)}
@@ -164,8 +165,9 @@ def hosting(schedule: Schedule, view: GraphView, stacks) -> Schedule:
         kept_until = max((t.consumers[-1] for t in schedule.tensors if t.id in drop and t.consumers
                           and schedule.nodes[t.producer] in h.pushes), default=max(ran_pops, default=len(schedule) - 1))
         held.append((min(ran_pushes), kept_until, h.num_bytes))
-    stack_copies = tuple(sorted((pos, num_bytes, trips * frame_compute.get(frame, 0))
-                                for (frame, _direction), (pos, num_bytes, trips) in copies.items()))
+    # (the schedule's compute of a loop's ops already counts every iteration)
+    stack_copies = tuple(sorted((pos, num_bytes, frame_compute.get(frame, 0))
+                                for (frame, _direction), (pos, num_bytes, _trips) in copies.items()))
     return replace(schedule.without_tensors(drop), stack_copies=schedule.stack_copies + stack_copies,
                    host_held=schedule.host_held + tuple(sorted(held)))
 

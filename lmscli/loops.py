@@ -113,7 +113,7 @@ def storage(view: GraphView, loops: dict[str, Loop] | None = None) -> tuple[Stor
                 continue
             seen.add(value)
             size = _element_bytes(view, push, 1) or view.tensor_bytes(*value) or popped
-            trips = _total_trips(view, view.frames[push], loops)
+            trips = total_trips(view, view.frames[push], loops)
             if size and trips and trips > 1:
                 by_value[value] = len(found)
                 found.append(Storage(push, tuple(sorted(pops)), trips * size, "stack", trips))
@@ -127,7 +127,7 @@ def storage(view: GraphView, loops: dict[str, Loop] | None = None) -> tuple[Stor
                 if size:
                     found.append(Storage(write, tuple(sorted(reads)), size, "tensor array"))
                 continue
-            trips = _total_trips(view, view.frames[write], loops)
+            trips = total_trips(view, view.frames[write], loops)
             if size and trips and trips > 1 and view.ops[write] == "TensorArrayWriteV3":
                 found.append(Storage(write, tuple(sorted(reads)), trips * size, "tensor array", trips))
     return tuple(sorted(found, key=lambda s: s.writer))
@@ -157,7 +157,7 @@ def notes(view: GraphView, active, loops: dict[str, Loop]) -> tuple[str, ...]:
 
 
 # ---------------------------------------------------------------------------- internals
-def _total_trips(view: GraphView, frame: str, loops: dict[str, Loop]) -> int | None:
+def total_trips(view: GraphView, frame: str, loops: dict[str, Loop]) -> int | None:
     """Iterations of ``frame`` over one step: its trips times those of the loops around it."""
     total = 1
     while frame:

@@ -816,7 +816,7 @@ def _tune_one(prepared: Prepared, device: Device, options: TuneOptions, margin: 
     the host (:mod:`lmscli.hoststacks`), a plan that keeps some there is made too, and the faster
     of the two wins (then the one moving fewer bytes): swapping can beat copying a whole stack
     every iteration, and where swaps cannot reach the loops' stacks only hosting fits."""
-    stacks = () if options.strategy == "tflms" and options.tflms is not None else tuple(
+    stacks = () if options.strategy == "tflms" else tuple(  # (TFLMS's search never moved a loop's stacks)
         h for h in hoststacks.hostable(prepared.view, prepared.dead | prepared.untaken)
         if not any(prepared.view.names[i] in options.forbidden for i in h.stacks))
     if not stacks:

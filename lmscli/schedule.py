@@ -229,6 +229,9 @@ def build_schedules(view: GraphView, fetches, flops: float = 15.7e12, mem_bandwi
         if trace.unmatched_first:
             rank = {i: rank.get(i, -1) for i in active}
     order = first_ready_order(view, active, cost, rank)
+    trips = loop_trips(view)
+    if trips:  # a loop body is scheduled once but runs its trip count times (the order is unchanged)
+        cost = {i: c * trips.get(view.frames[i], 1) if view.frames[i] else c for i, c in cost.items()}
     devices = sorted({g for g in gpu_of.values() if g is not None}) or [DEFAULT_GPU]
     return tuple(_describe(view, order, cost, [gpu_of[i] == device for i in order], device).with_memory_model(memory_model)
                  for device in devices)
@@ -244,8 +247,34 @@ def loop_storage(view: GraphView):
     if cached is None:
         from lmscli import loops
 
-        cached = loops.storage(view) if any(view.frames) else ()
+        cached = loops.storage(view, loop_counts(view)) if any(view.frames) else ()
         view.__dict__["_loop_storage"] = cached
+    return cached
+
+
+def loop_trips(view: GraphView) -> dict[str, int]:
+    """Per v1 while-loop frame, its iterations over one step (times those of the loops around
+    it); frames whose count lms cannot read are left out (their body counts once)."""
+    cached = view.__dict__.get("_loop_trips")
+    if cached is None:
+        from lmscli import loops
+
+        counts = loop_counts(view)
+        cached = {frame: total for frame in counts
+                  if (total := loops.total_trips(view, frame, counts)) and total > 1}
+        view.__dict__["_loop_trips"] = cached
+    return cached
+
+
+def loop_counts(view: GraphView):
+    """Per v1 while-loop frame, its trip count as read from the graph
+    (:func:`lmscli.loops.trip_counts`), once per view."""
+    cached = view.__dict__.get("_loop_counts")
+    if cached is None:
+        from lmscli import loops
+
+        cached = loops.trip_counts(view) if any(view.frames) else {}
+        view.__dict__["_loop_counts"] = cached
     return cached
 
 

@@ -186,3 +186,20 @@ def test_a_plan_triggering_from_a_branch_for_an_op_outside_it_is_refused(cond_br
     swaps[k] = replace(swaps[k], swap_ins=groups)
     with pytest.raises(PlanError, match="cond branches"):
         api.rewrite(prepared, replace(result.plan, swaps=tuple(swaps)))
+
+
+def test_a_loops_ops_take_time_for_every_iteration(samples, monkeypatch):
+    """A loop body is scheduled once, in its order, but its ops' times count the loop's trip count
+    (128 for stack_rnn's loops): the step time of a recurrent net is its iterations' time."""
+    from lmscli import schedule as sched_mod
+
+    prepared = api.prepare(api.load(str(samples / "stack_rnn.meta")))
+    view = prepared.view
+    scaled = sched_mod.build_schedules(view, prepared.model.fetches, trace=prepared.trace)[0]
+    monkeypatch.setattr(sched_mod, "loop_trips", lambda view: {})
+    once = sched_mod.build_schedules(view, prepared.model.fetches, trace=prepared.trace)[0]
+    assert scaled.nodes == once.nodes
+    looped = [k for k, node in enumerate(once.nodes) if view.frames[node] and once.compute[k]]
+    assert looped
+    assert all(scaled.compute[k] == 128 * once.compute[k] for k in looped)
+    assert all(scaled.compute[k] == once.compute[k] for k, node in enumerate(once.nodes) if not view.frames[node])
