@@ -358,7 +358,10 @@ def _executor_events(schedule, swap_of, start, end, out_start, out_end, in_start
         if swap.recompute:  # no transfer holds it: freed after the producer or the near consumers
             key = (end[t.producer], 4 * t.producer + 2)
             return max([key] + [(end[c], 4 * c + 2) for c in swap.near])
-        key = (out_end[t.id], 4 * running(out_end[t.id]) + 3)
+        at = running(out_end[t.id])
+        if start[at] >= out_end[t.id] and (at in swap.waiters or (swap.sync_out and at in swap.near)):
+            at -= 1  # the op starting as the swap-out ends waits for it: the copy is gone before it allocates
+        key = (out_end[t.id], 4 * at + 3)
         return max([key] + [(end[c], 4 * c + 2) for c in swap.near])
 
     buffer_of: dict[int, tuple] = {}  # tensor id -> ("t", root id) or ("in", tensor id, group)

@@ -190,6 +190,20 @@ def test_executor_forwards_identity_and_reuses_buffers_in_place():
     assert simulate(s.with_memory_model("grappler")).activation_peak_bytes > 8192
 
 
+def test_executor_an_op_waiting_for_a_swap_out_allocates_after_the_copy_is_gone():
+    """a (4 KiB) is swapped out and c waits for it (the stand-in's waited sends; instant link):
+    the swap-out ends exactly as c starts, and c allocates its 8 KiB only after a's GPU copy is
+    released (before, the tie put the release after c's allocation: c's peak counted a too)."""
+    from dataclasses import replace
+
+    s = executor("abcd", [(0, 4096, [1, 3]), (1, 256, []), (2, 8192, []), (3, 256, [])],
+                 compute=[10, 10, 10, 10], op_types=["Conv2D", "Relu", "Conv2D", "AddN"])
+    s = replace(s, waited_sends=True)
+    swap = SimSwap(0, near=(1,), groups=(SwapIn((3,), trigger=2),), waiters=(2,))
+    r = simulate(s, [swap])
+    assert r.memory_by_position[2] == 8192
+
+
 def test_executor_swapped_input_is_not_reused_in_place():
     # a is read by b (Relu, its last GPU reader) and swapped out: the transfer holds the buffer,
     # so b allocates its own (peak 2 buffers), as TensorFlow's forward_input does.
