@@ -363,8 +363,11 @@ class Bound:
                 f"at {self.time_us / 1000:.3f} ms, where {len(self.ops)} ops run at one instant (ops that take no "
                 f"time share one, as in Grappler's accounting; e.g. {first})")
         held = ", ".join(f"{name} {format_size(size)}" for name, size, _ in self.largest[:3])
+        scratch = max(0, self.bytes - self.pinned_bytes - self.touched_bytes - schedule.resident_bytes)
+        extra = (f", and {format_size(scratch)} of kernel scratch and allocator rounding while they run (CPU "
+                 "kernels' temporaries on the stand-in)" if scratch >= 1 << 20 else "")
         return (f"{when} the step holds {format_size(self.pinned_bytes)} of tensors that cannot be swapped and "
-                f"{format_size(self.touched_bytes)} that the running ops read or write (largest: {held}); "
+                f"{format_size(self.touched_bytes)} that the running ops read or write (largest: {held}){extra}; "
                 f"with {format_size(schedule.resident_bytes)} resident (variables, constants) that is "
                 f"{format_size(self.bytes)} > {format_size(budget)}")
 

@@ -1228,7 +1228,7 @@ def _stuck_message(ctx: _Context, stuck: _Stuck, strategy: str, budget_act: int,
     elif ctx.view.conditional(node):
         where = " (inside a cond branch)"
     planned = budget_act + sched.resident_bytes
-    under = format_size(ctx.device.budget)
+    under = _budget_words(ctx.device)
     kind = {"recompute": "recompute", "hybrid": "swap or recompute"}.get(strategy, "swap")
     needs = f"the {strategy} strategy still needs {format_size(stuck.need_bytes)}"
     if abs(planned - ctx.device.budget) > ctx.device.budget // 200:  # the judge's margin moved it
@@ -1261,7 +1261,14 @@ def predicted(baseline: SimResult, result: SimResult, budget: int) -> dict:
 
 
 def _no_fit_message(ctx: _Context, bound, budget: int) -> str:
-    return f"no swap plan can fit under {format_size(budget)}: {bound.explain(ctx.schedule, budget)}"
+    return f"no swap plan can fit under {_budget_words(ctx.device)}: {bound.explain(ctx.schedule, budget)}"
+
+
+def _budget_words(device: Device) -> str:
+    """The budget as a user reads it: "40.50 MiB (45.00 MiB less the 10% --reserve)"."""
+    if device.reserve <= 0 or device.budget == device.gpu_mem:
+        return format_size(device.budget)
+    return f"{format_size(device.budget)} ({format_size(device.gpu_mem)} less the {device.reserve:.0%} --reserve)"
 
 
 # ---------------------------------------------------------------------------- serialization
