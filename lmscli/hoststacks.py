@@ -80,6 +80,8 @@ def hostable(view: GraphView, leave_out=frozenset()) -> tuple[Hostable, ...]:
     units: list[tuple[set, int, int, int]] = []  # (stacks, bytes kept, bytes copied, trips)
     for s in storage:
         joined = {stack_of[w] for w in (s.writer, *s.sharers) if w in stack_of}
+        if not joined:
+            continue
         copied = sum(s.trips * _pushed_bytes(view, w) for w in (s.writer, *s.sharers))
         merged = [u for u in units if u[0] & joined]
         for u in merged:
