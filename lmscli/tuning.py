@@ -420,32 +420,29 @@ def find_max_batch(model: Model, device: Device, options: TuneOptions = TuneOpti
         raise NoFitError("even batch size 1 does not fit this device")
     best = (1,) + first
     lo, hi = 1, None
-    batch = 2
-    stopped = False
-    while hi is None and batch <= limit:
+
+    def probe(batch: int) -> bool | None:
+        """Try ``batch``: True when a plan fits (the best so far), False when not, None once
+        --time-limit has passed."""
+        nonlocal best, lo, hi
         if timing.out_of_time():
-            stopped = True
-            break
+            return None
         timing.step(f"batch size {batch}")
         got = attempt(batch)
         if got is None:
             hi = batch
-        else:
-            best, lo = (batch,) + got, batch
-            batch *= 2
+            return False
+        best, lo = (batch,) + got, batch
+        return True
+
+    batch, stopped = 2, False
+    while hi is None and batch <= limit and not stopped:
+        stopped = probe(batch) is None
+        batch *= 2
     if hi is None:
         hi = limit + 1
     while hi - lo > 1 and not stopped:
-        if timing.out_of_time():
-            stopped = True
-            break
-        mid = (lo + hi) // 2
-        timing.step(f"batch size {mid}")
-        got = attempt(mid)
-        if got is None:
-            hi = mid
-        else:
-            best, lo = (mid,) + got, mid
+        stopped = probe((lo + hi) // 2) is None
     batch, _result, prepared = best
     result = tune(prepared, device, options, check=True)
     if stopped:

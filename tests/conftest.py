@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -66,3 +67,26 @@ def tiny_graph_def():
         y = tf.nn.relu(tf.matmul(x, w), name="y")
         tf.identity(y, name="out")
     return graph.as_graph_def()
+
+
+@contextlib.contextmanager
+def v1_training_graph(path, learning_rate: float = 0.1):
+    """Build a training graph with control flow v1 (Switch/Merge, Enter/Exit, gradient stacks) and
+    export it to ``path``: yields ``(tf, v1, graph)``; the body sets ``graph.loss`` (a tensor),
+    and plain gradient descent on it becomes the ``train_op``. The v2 setting is restored."""
+    from lmscli.tfimport import tensorflow
+
+    tf = tensorflow()
+    v1 = tf.compat.v1
+    was = v1.control_flow_v2_enabled()
+    v1.disable_control_flow_v2()
+    try:
+        graph = tf.Graph()
+        with graph.as_default():
+            yield tf, v1, graph
+            loss = tf.identity(graph.loss, name="loss")
+            v1.add_to_collection("train_op", v1.train.GradientDescentOptimizer(learning_rate).minimize(loss))
+            v1.train.export_meta_graph(str(path), graph=graph)
+    finally:
+        if was:
+            v1.enable_control_flow_v2()

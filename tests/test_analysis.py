@@ -6,7 +6,7 @@ import pytest
 
 from lmscli import analysis, loader
 from lmscli.tfimport import tensorflow
-from tests.conftest import TRAINING_SAMPLES, invoke
+from tests.conftest import TRAINING_SAMPLES, invoke, v1_training_graph
 
 
 def _analyze(path, **kwargs):
@@ -239,34 +239,23 @@ def test_one_branch_of_a_v1_cond_is_counted(tmp_path):
     from lmscli import api
     from lmscli.candidates import candidates
 
-    tf = tensorflow()
-    v1 = tf.compat.v1
-    was_v2 = v1.control_flow_v2_enabled()
-    v1.disable_control_flow_v2()
-    try:
-        graph = tf.Graph()
-        with graph.as_default():
-            x = v1.placeholder(tf.float32, [256, 512], name="inputs")
-            w = v1.get_variable("w", [512, 512], initializer=v1.truncated_normal_initializer(0, 0.05, seed=1))
-            step = v1.get_variable("step", [], initializer=v1.zeros_initializer(), trainable=False)
-            h = tf.matmul(x, w)
+    with v1_training_graph(tmp_path / "cond.meta") as (tf, v1, graph):
+        x = v1.placeholder(tf.float32, [256, 512], name="inputs")
+        w = v1.get_variable("w", [512, 512], initializer=v1.truncated_normal_initializer(0, 0.05, seed=1))
+        step = v1.get_variable("step", [], initializer=v1.zeros_initializer(), trainable=False)
+        h = tf.matmul(x, w)
 
-            def big():
-                with tf.name_scope("big"):
-                    a = tf.nn.relu(tf.matmul(h, w))
-                    return tf.tanh(tf.matmul(a, w)) + a
+        def big():
+            with tf.name_scope("big"):
+                a = tf.nn.relu(tf.matmul(h, w))
+                return tf.tanh(tf.matmul(a, w)) + a
 
-            def small():
-                with tf.name_scope("small"):
-                    return h * 0.5
+        def small():
+            with tf.name_scope("small"):
+                return h * 0.5
 
-            y = tf.cond(step < 10.0, big, small)
-            loss = tf.identity(tf.reduce_mean(y * y), name="loss")
-            v1.add_to_collection("train_op", v1.train.GradientDescentOptimizer(0.1).minimize(loss))
-            v1.train.export_meta_graph(str(tmp_path / "cond.meta"), graph=graph)
-    finally:
-        if was_v2:
-            v1.enable_control_flow_v2()
+        y = tf.cond(step < 10.0, big, small)
+        graph.loss = tf.reduce_mean(y * y)
     model = api.load(str(tmp_path / "cond.meta"))
     prepared = api.prepare(model)
     both = api.prepare(model, prune_dead=False)

@@ -16,7 +16,7 @@ from lmscli import api
 from lmscli.candidates import branch_safe
 from lmscli.graphview import GraphView
 from lmscli.prove import steps
-from tests.conftest import invoke
+from tests.conftest import invoke, v1_training_graph
 
 
 def _with_predicate(meta_graph, value: bool):
@@ -104,41 +104,28 @@ def _lstm_loop(path, batch=32, steps=48, hidden=192, features=32):
     """An LSTM over 48 steps written as dynamic_rnn writes it (control flow v1: a while_loop
     reading its inputs from a TensorArray and writing its outputs to another): its gradient keeps
     each step's gates on stacks."""
-    from lmscli.tfimport import tensorflow
+    with v1_training_graph(path) as (tf, v1, graph):
+        v1.set_random_seed(0)
+        x = v1.placeholder(tf.float32, [batch, steps, features], name="inputs")
+        y = v1.placeholder(tf.float32, [batch, steps, 8], name="labels")
+        init = v1.glorot_uniform_initializer(seed=1)
+        kernel = v1.get_variable("kernel", [features + hidden, 4 * hidden], initializer=init, use_resource=True)
+        bias = v1.get_variable("bias", [4 * hidden], initializer=v1.zeros_initializer(), use_resource=True)
+        inputs = v1.TensorArray(tf.float32, size=steps).unstack(tf.transpose(x, [1, 0, 2]))
+        outputs = v1.TensorArray(tf.float32, size=steps)
 
-    tf = tensorflow()
-    v1 = tf.compat.v1
-    was = v1.control_flow_v2_enabled()
-    v1.disable_control_flow_v2()
-    try:
-        graph = tf.Graph()
-        with graph.as_default():
-            v1.set_random_seed(0)
-            x = v1.placeholder(tf.float32, [batch, steps, features], name="inputs")
-            y = v1.placeholder(tf.float32, [batch, steps, 8], name="labels")
-            init = v1.glorot_uniform_initializer(seed=1)
-            kernel = v1.get_variable("kernel", [features + hidden, 4 * hidden], initializer=init, use_resource=True)
-            bias = v1.get_variable("bias", [4 * hidden], initializer=v1.zeros_initializer(), use_resource=True)
-            inputs = v1.TensorArray(tf.float32, size=steps).unstack(tf.transpose(x, [1, 0, 2]))
-            outputs = v1.TensorArray(tf.float32, size=steps)
+        def body(t, c, h, out):
+            gates = tf.matmul(tf.concat([inputs.read(t), h], 1), kernel) + bias
+            i, j, f, o = tf.split(gates, 4, axis=1)
+            c = tf.sigmoid(f) * c + tf.sigmoid(i) * tf.tanh(j)
+            h = tf.sigmoid(o) * tf.tanh(c)
+            return t + 1, c, h, out.write(t, h)
 
-            def body(t, c, h, out):
-                gates = tf.matmul(tf.concat([inputs.read(t), h], 1), kernel) + bias
-                i, j, f, o = tf.split(gates, 4, axis=1)
-                c = tf.sigmoid(f) * c + tf.sigmoid(i) * tf.tanh(j)
-                h = tf.sigmoid(o) * tf.tanh(c)
-                return t + 1, c, h, out.write(t, h)
-
-            zeros = tf.zeros([batch, hidden])
-            _, _, _, outputs = v1.while_loop(lambda t, *_: t < steps, body, [tf.constant(0), zeros, zeros, outputs])
-            w = v1.get_variable("w", [hidden, 8], initializer=init, use_resource=True)
-            logits = tf.einsum("tbh,hc->btc", outputs.stack(), w)
-            loss = tf.identity(tf.reduce_mean(tf.square(logits - y)), name="loss")
-            v1.add_to_collection("train_op", v1.train.GradientDescentOptimizer(0.1).minimize(loss))
-            v1.train.export_meta_graph(str(path), graph=graph)
-    finally:
-        if was:
-            v1.enable_control_flow_v2()
+        zeros = tf.zeros([batch, hidden])
+        _, _, _, outputs = v1.while_loop(lambda t, *_: t < steps, body, [tf.constant(0), zeros, zeros, outputs])
+        w = v1.get_variable("w", [hidden, 8], initializer=init, use_resource=True)
+        logits = tf.einsum("tbh,hc->btc", outputs.stack(), w)
+        graph.loss = tf.reduce_mean(tf.square(logits - y))
     return path
 
 

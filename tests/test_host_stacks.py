@@ -18,7 +18,7 @@ from lmscli.errors import PlanError
 from lmscli.plan import Plan, PlannedHostStack
 from lmscli.schedule import Schedule, SimTensor
 from lmscli.simulator import simulate
-from tests.conftest import invoke
+from tests.conftest import invoke, v1_training_graph
 from tests.test_control_flow import _lstm_loop
 
 
@@ -185,33 +185,20 @@ def _gated_loop(path, batch=16, steps=24, hidden=64):
     """A hand-written loop (``h = tanh(z) * sigmoid(z + 1)``, one iteration at a time) whose
     gradient keeps four stacks; in Grappler's order of the body, some stacks are pushed after
     others are popped."""
-    from lmscli.tfimport import tensorflow
+    with v1_training_graph(path) as (tf, v1, graph):
+        x = v1.placeholder(tf.float32, [steps, batch, hidden], name="x")
+        y = v1.placeholder(tf.float32, [batch, hidden], name="y")
+        init = v1.glorot_uniform_initializer(seed=4)
+        w = v1.get_variable("W", [hidden, hidden], initializer=init, use_resource=True)
+        u = v1.get_variable("U", [hidden, hidden], initializer=init, use_resource=True)
 
-    tf = tensorflow()
-    v1 = tf.compat.v1
-    was = v1.control_flow_v2_enabled()
-    v1.disable_control_flow_v2()
-    try:
-        graph = tf.Graph()
-        with graph.as_default():
-            x = v1.placeholder(tf.float32, [steps, batch, hidden], name="x")
-            y = v1.placeholder(tf.float32, [batch, hidden], name="y")
-            init = v1.glorot_uniform_initializer(seed=4)
-            w = v1.get_variable("W", [hidden, hidden], initializer=init, use_resource=True)
-            u = v1.get_variable("U", [hidden, hidden], initializer=init, use_resource=True)
+        def body(i, h):
+            z = tf.matmul(h, w) + tf.matmul(x[i], u)
+            return i + 1, tf.tanh(z) * tf.sigmoid(z + 1.0)
 
-            def body(i, h):
-                z = tf.matmul(h, w) + tf.matmul(x[i], u)
-                return i + 1, tf.tanh(z) * tf.sigmoid(z + 1.0)
-
-            _, h = v1.while_loop(lambda i, h: i < steps, body, [tf.constant(0), tf.zeros([batch, hidden])],
-                                 parallel_iterations=1)
-            loss = tf.identity(tf.reduce_mean(tf.square(h - y)), name="loss")
-            v1.add_to_collection("train_op", v1.train.GradientDescentOptimizer(0.1).minimize(loss))
-            v1.train.export_meta_graph(str(path), graph=graph)
-    finally:
-        if was:
-            v1.enable_control_flow_v2()
+        _, h = v1.while_loop(lambda i, h: i < steps, body, [tf.constant(0), tf.zeros([batch, hidden])],
+                             parallel_iterations=1)
+        graph.loss = tf.reduce_mean(tf.square(h - y))
     return path
 
 
