@@ -352,6 +352,7 @@ def analyze(model, fmt, fetch, tag, batch_size, plot, report_file, stand_in, as_
         prepared = api.prepare(loaded, batch_size=batch_size)
         if stand_in:
             prepared = api.for_stand_in(prepared)
+    _warn_unknown_sizes(prepared, quiet)
     with progress.phase("simulating the step"):
         baseline = simulate(prepared.schedule)
         result = api.analyze(prepared, baseline)
@@ -516,7 +517,7 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
         api.atomic_write(plan_out, plan.to_json().encode("utf-8"))
     shown = result if result is not None else api.replay(prepared, plan)
     details = report.plan_details(prepared, shown)
-    doc = {"schema": "lms.rewrite", "version": 1, "output": None if dry_run else output,
+    doc = {"schema": "lms.rewrite", "version": 1, "fits": shown.fits, "output": None if dry_run else output,
            "format": written, "dry_run": dry_run, "summary": rep.summary(),
            "swap_outs": rep.swap_outs, "swap_ins": rep.swap_ins, "swap_out_bytes": rep.swap_out_bytes,
            "swap_in_bytes": rep.swap_in_bytes, "recomputes": rep.recomputes, "recompute_bytes": rep.recompute_bytes,

@@ -38,14 +38,17 @@ def test_console_script_entry_point():
 
 
 def test_tensors_of_unknown_size_are_warned_about(runner, samples):
-    """A step with an unknown batch dimension counts those tensors as 0 bytes: tune and rewrite say
-    so on stderr (every figure would be too small), and --batch-size silences it."""
+    """A step with an unknown batch dimension counts those tensors as 0 bytes: analyze, tune and
+    rewrite say so on stderr (every figure would be too small), and --batch-size silences it."""
     from tests.conftest import invoke
 
     done = invoke(runner, "tune", samples / "unknown_batch.meta", "--gpu-mem", "16MiB")
     assert "unknown size and count as 0 bytes" in done.stderr and "--batch-size" in done.stderr
     fixed = invoke(runner, "tune", samples / "unknown_batch.meta", "--gpu-mem", "16MiB", "--batch-size", "4")
     assert "unknown size" not in fixed.stderr
+    # analyze lists them in its table, and says so on stderr too (a --json reader sees no table)
+    analyzed = invoke(runner, "analyze", samples / "unknown_batch.meta", "--json")
+    assert "unknown size and count as 0 bytes" in analyzed.stderr and analyzed.stdout.lstrip().startswith("{")
 
 
 def test_the_run_search_plans_below_a_plan_that_sits_under_its_budget():
