@@ -86,45 +86,35 @@ class Schedule:
         After::   x -> A ;  x -> C                              B and its output are gone
 
         The order of the other ops is kept; resident bytes are unchanged (variables stay)."""
+        drop = {pos for pos, name in enumerate(self.names) if name in names}
+        return self._keeping(drop, frozenset()) if drop else self
+
+    def without_tensors(self, ids) -> "Schedule":
+        """The schedule without the tensors ``ids`` (they no longer take GPU memory; e.g. what a
+        gradient stack kept on the host would keep); ops and order are unchanged, ids renumbered."""
+        return self._keeping(frozenset(), frozenset(ids)) if ids else self
+
+    def _keeping(self, drop_positions, drop_tensors) -> "Schedule":
+        """The schedule without the ops at ``drop_positions`` (and their outputs) and without the
+        tensors ``drop_tensors``: positions and tensor ids renumbered, the order kept."""
         from dataclasses import replace
 
-        drop = {pos for pos, name in enumerate(self.names) if name in names}
-        if not drop:
-            return self
-        kept = [pos for pos in range(len(self.nodes)) if pos not in drop]
+        kept = [pos for pos in range(len(self.nodes)) if pos not in drop_positions]
         new_pos = {old: new for new, old in enumerate(kept)}
         tensors: list[SimTensor] = []
         new_id: dict[int, int] = {}
         for t in self.tensors:
-            if t.producer in drop:
+            if t.producer in drop_positions or t.id in drop_tensors:
                 continue
             new_id[t.id] = len(tensors)
             tensors.append(SimTensor(len(tensors), new_pos[t.producer], t.output, t.num_bytes,
-                                     tuple(new_pos[c] for c in t.consumers if c not in drop)))
+                                     tuple(new_pos[c] for c in t.consumers if c not in drop_positions)))
         inputs = tuple(tuple(new_id[tid] for tid in self.inputs[pos] if tid in new_id) for pos in kept)
         pick = lambda values: tuple(values[pos] for pos in kept) if values else values  # noqa: E731
         pruned = replace(self, nodes=pick(self.nodes), names=pick(self.names), ops=pick(self.ops),
                          levels=pick(self.levels), compute=pick(self.compute), on_gpu=pick(self.on_gpu),
                          tensors=tuple(tensors), inputs=inputs, scratch=pick(self.scratch), shares=(), in_place=())
         return pruned.with_memory_model(self.memory_model)
-
-    def without_tensors(self, ids) -> "Schedule":
-        """The schedule without the tensors ``ids`` (they no longer take GPU memory; e.g. what a
-        gradient stack kept on the host would keep); ops and order are unchanged, ids renumbered."""
-        from dataclasses import replace
-
-        if not ids:
-            return self
-        tensors: list[SimTensor] = []
-        new_id: dict[int, int] = {}
-        for t in self.tensors:
-            if t.id in ids:
-                continue
-            new_id[t.id] = len(tensors)
-            tensors.append(replace(t, id=len(tensors)))
-        inputs = tuple(tuple(new_id[tid] for tid in read if tid in new_id) for read in self.inputs)
-        return replace(self, tensors=tuple(tensors), inputs=inputs, shares=(), in_place=()).with_memory_model(
-            self.memory_model)
 
     @property
     def resident_bytes(self) -> int:
