@@ -149,7 +149,9 @@ def hosting(schedule: Schedule, view: GraphView, stacks) -> Schedule:
         frame = view.frames[node]
         if frame:
             frame_compute[frame] = frame_compute.get(frame, 0) + schedule.compute[k]
-    copies: dict[tuple[str, str], list[int]] = {}  # (frame, direction) -> [position, bytes, trips]
+    last_read = {schedule.nodes[t.producer]: t.consumers[-1]  # push -> when what it keeps is last read
+                 for t in schedule.tensors if t.id in drop and t.consumers}
+    copies: dict[tuple[str, str], list[int]] = {}  # (frame, direction) -> [position, bytes]
     held = []
     for h in stacks:
         ran_pushes = [position[p] for p in h.pushes if p in position]
@@ -160,16 +162,15 @@ def hosting(schedule: Schedule, view: GraphView, stacks) -> Schedule:
             if not ops:
                 continue
             frame = view.frames[schedule.nodes[ops[0]]]
-            entry = copies.setdefault((frame, direction), [pick(ops), 0, h.trips])
+            entry = copies.setdefault((frame, direction), [pick(ops), 0])
             entry[0] = pick(entry[0], pick(ops))
             entry[1] += h.copy_bytes
-            entry[2] = max(entry[2], h.trips)
-        kept_until = max((t.consumers[-1] for t in schedule.tensors if t.id in drop and t.consumers
-                          and schedule.nodes[t.producer] in h.pushes), default=max(ran_pops, default=len(schedule) - 1))
+        kept_until = max((last_read[p] for p in h.pushes if p in last_read),
+                         default=max(ran_pops, default=len(schedule) - 1))
         held.append((min(ran_pushes), kept_until, h.num_bytes))
     # (the schedule's compute of a loop's ops already counts every iteration)
     stack_copies = tuple(sorted((pos, num_bytes, frame_compute.get(frame, 0))
-                                for (frame, _direction), (pos, num_bytes, _trips) in copies.items()))
+                                for (frame, _direction), (pos, num_bytes) in copies.items()))
     return replace(schedule.without_tensors(drop), stack_copies=schedule.stack_copies + stack_copies,
                    host_held=schedule.host_held + tuple(sorted(held)))
 

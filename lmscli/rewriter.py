@@ -304,17 +304,16 @@ def _check_branches(before: GraphView, after: GraphView) -> None:
             raise PlanError(f"the plan moves {name!r} into another while-loop frame")
 
 
-STACK_NODE_OPS = frozenset({"StackV2", "StackPushV2", "StackPopV2", "StackCloseV2"})
-
-
 def _to_host(nodes: dict, stack, host_device: str) -> None:
     """Place a gradient stack and the ops using its handle on the host (no ``_class``)."""
+    from lmscli.hoststacks import HANDLE_USERS, STACK_OPS
+
     names = (stack.stack, *stack.ops)
     for name in names:
         node = nodes.get(name)
         if node is None:
             raise PlanError(f"the plan keeps stack {stack.stack!r} on the host, but the graph has no node {name!r}")
-        if node.op not in STACK_NODE_OPS:
+        if node.op not in STACK_OPS | HANDLE_USERS:
             raise PlanError(f"the plan moves {name!r} to the host with stack {stack.stack!r}, but it is a "
                             f"{node.op}, not a stack op")
     host = host_for(nodes[stack.stack].device, host_device)

@@ -96,12 +96,10 @@ def measurement_order(prepared) -> tuple[str, ...]:
     return tuple(prepared.schedule.names)
 
 
-HOSTED_STACK_OPS = frozenset({"StackV2"})
-
-
 def _figures(model, fetches, batch_size, measure: bool, notes: list, label: str, tf_order: bool = False):
     """(meta graph to run, GraphFigures) for a loaded model, with the step running ``fetches``."""
     from lmscli import api, grappler
+    from lmscli.hoststacks import STACK_OPS
     from lmscli.prove.measure import forwarding_peak, measure_peak
     from lmscli.simulator import simulate
 
@@ -133,7 +131,7 @@ def _figures(model, fetches, batch_size, measure: bool, notes: list, label: str,
         if node.name in gpu_ops:
             node.op = gpu_ops[node.name]
     hosted = [node.name for node in meta.graph_def.node
-              if node.op in HOSTED_STACK_OPS and prepared.view.on_host(prepared.view.index[node.name])]
+              if node.op in STACK_OPS and prepared.view.on_host(prepared.view.index[node.name])]
     if hosted and measure:
         notes.append(f"{label}: {len(hosted)} gradient stack(s) placed on the host (e.g. {hosted[0]}): in this "
                      "one-process run no copy is made between devices, so the measured peak still holds what they "
