@@ -93,7 +93,7 @@ def replay(prepared: Prepared, plan: Plan) -> TuneResult:
     """Simulate a given plan (e.g. one read with --plan) as a TuneResult, for reports and plots; for
     a graph on several GPUs, as seen by the GPU that needs the most memory with the plan."""
     from lmscli.device import NO_BUDGET, Device
-    from lmscli.plan import simulated
+    from lmscli.plan import recompute_flops, simulated
     from lmscli.planner import predicted
     from lmscli.simulator import simulate
 
@@ -104,5 +104,6 @@ def replay(prepared: Prepared, plan: Plan) -> TuneResult:
         result = simulate(*simulated(plan, schedule, prepared.view), device.link_bandwidth)
         replays.append((result.peak_bytes, schedule.device, baseline, result))
     _peak, _name, baseline, result = max(replays, key=lambda r: r[0])
-    filled = replace(plan, predicted=predicted(baseline, result, device.budget))
+    filled = replace(plan, predicted=predicted(baseline, result, device.budget,
+                                               recompute_flops(plan.recomputes, prepared.view)))
     return TuneResult(filled, baseline, result, device.budget, plan.changes, ())

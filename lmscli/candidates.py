@@ -139,8 +139,9 @@ def landing_safe(view: GraphView, schedule: Schedule, k: int, fused: frozenset =
     """May the op at ``k`` be a swap-in's landing op (wait until the swap-in is on the GPU, so that
     its own allocation comes after)? An op fit for control edges (:func:`trigger_safe`) that is not
     constant-like and that Grappler's optimizations keep (not in ``fused``, names of the nodes they
-    fold or fuse away). (Waiters of swap-outs may be any op fit for control edges: a plan whose
-    rewrite Grappler then fails on is caught by the optimizer guard.)"""
+    fold or fuse away). (Waiters of swap-outs may be any op fit for control edges but an activation
+    fused into its producer, :func:`absorbed`: other plans Grappler treats differently are caught
+    by the optimizer guard.)"""
     return (schedule.ops[k] not in CONSTANT_LIKE_OPS and schedule.names[k] not in fused
             and trigger_safe(view, schedule, k))
 

@@ -11,7 +11,7 @@ from html import escape
 
 from lmscli import __version__
 from lmscli.errors import InputError
-from lmscli.units import format_size
+from lmscli.units import format_flops, format_size
 
 INLINE_LIST = 4  # consumers shown before the rest folds into <details>
 
@@ -173,6 +173,7 @@ def _plan(doc: dict, svg: str | None) -> str:
                         f"({_size(pred.get('swap_out_bytes'))} / {_size(pred.get('swap_in_bytes'))})", "-"))
     if plan.get("recomputes"):
         memory_rows.append(("recomputed", "-", f"{pred.get('recomputes', 0)} ({_size(pred.get('recompute_bytes'))}, "
+                            f"{format_flops(pred.get('recompute_flops', 0))}, "
                             f"{_ms(pred.get('recompute_time_s', 0.0))} of GPU time)", "-"))
     if plan.get("host_stacks"):
         memory_rows.append(("loop stacks on the host", "-", f"{len(plan['host_stacks'])} "

@@ -236,14 +236,27 @@ def to_sim(plan_swaps, schedule: Schedule) -> list[SimSwap]:
 def recompute_cost(schedule: Schedule, positions) -> tuple[int, int]:
     """``(microseconds, bytes)`` of running the ops at ``positions`` again: their times, and the
     outputs of all but the last, held while the clones run (outputs that forward a buffer or
-    reuse one in place allocate nothing)."""
+    reuse one in place allocate nothing), with the largest kernel scratch among them (a
+    convolution's temporaries, where the schedule knows them)."""
     positions = sorted(positions)
     cost = sum(schedule.compute[k] for k in positions)
     inner = set(positions[:-1])
     shares = schedule.shares
     extra = sum(t.num_bytes for t in schedule.tensors
                 if t.producer in inner and not (shares and shares[t.id] != -1))
+    if schedule.scratch:
+        extra += max(schedule.scratch[k] for k in positions)
     return cost, extra
+
+
+def recompute_flops(recomputes, view) -> int:
+    """Floating-point operations the clones of ``recomputes`` (:class:`PlannedRecompute`) compute
+    in a step: each chain's ops (:func:`lmscli.costmodel.op_flops`; element-wise ops count 0)
+    once per group of consumers it serves."""
+    from lmscli.costmodel import op_flops
+
+    return int(sum(op_flops(view, view.index[op]) * len(r.groups) for r in recomputes for op in r.ops
+                   if op in view.index))
 
 
 def from_sim(sim_swaps, schedule: Schedule) -> tuple[PlannedSwap, ...]:

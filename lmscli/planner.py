@@ -29,11 +29,11 @@ import numpy as np
 
 from lmscli import hoststacks, timing
 from lmscli.analysis import Prepared, binding
-from lmscli.candidates import (COND_PRODUCERS, Candidate, Filters, boundary, branch_safe, candidates, edge_safe,
-                               landing_safe, trigger_safe)
+from lmscli.candidates import (COND_PRODUCERS, Candidate, Filters, absorbed, boundary, branch_safe, candidates,
+                               edge_safe, landing_safe, trigger_safe)
 from lmscli.device import Device
 from lmscli.errors import NoFitError
-from lmscli.plan import Plan, from_sim, graph_fingerprint, host_stacks_from, recomputes_from_sim
+from lmscli.plan import Plan, from_sim, graph_fingerprint, host_stacks_from, recompute_flops, recomputes_from_sim
 from lmscli.schedule import Schedule
 from lmscli.simulator import SimResult, SimSwap, SwapIn, simulate, transfer_us
 from lmscli.timing import timed
@@ -116,6 +116,7 @@ class _Context:
                          for k, ok in enumerate(self.can_trigger)]
         fused = frozenset(prepared.fused or ())
         self.can_land_at = [ok and landing_safe(self.view, sched, k, fused) for k, ok in enumerate(self.can_edge)]
+        self.absorbed = [absorbed(self.view, node, fused) for node in sched.nodes]
         self._triggers = [k for k, ok in enumerate(self.can_trigger) if ok]
         ids = sorted(self.cands)
         self._cand_ids = np.array(ids, dtype=np.int64)
@@ -171,8 +172,10 @@ class _Context:
         return found or frozenset()
 
     def can_wait(self, p: int, producer: int) -> bool:
-        """May the op at ``p`` wait for the swap-out of a tensor made at ``producer``?"""
-        return self.can_edge[p] and branch_safe(self.tags[producer], self.tags[p])
+        """May the op at ``p`` wait for the swap-out of a tensor made at ``producer``? Not an
+        activation the remapper fuses into its producer (:func:`lmscli.candidates.absorbed`): a
+        control input into it stops that fusion, and the guard would then forbid the tensor."""
+        return self.can_edge[p] and not self.absorbed[p] and branch_safe(self.tags[producer], self.tags[p])
 
     def live_candidates(self, p: int) -> list[int]:
         """Candidate tensors produced before ``p`` and read after it."""
@@ -885,8 +888,9 @@ def _with_host_stacks(prepared: Prepared, device: Device, options: TuneOptions, 
             failed.log = tuple(lines)
             continue
         log.extend(lines)
-        return replace(result, baseline=baseline, necessary=True,
-                       plan=replace(result.plan, predicted=predicted(baseline, result.result, device.budget)))
+        figures = predicted(baseline, result.result, device.budget,
+                            recompute_flops(result.plan.recomputes, prepared.view))
+        return replace(result, baseline=baseline, necessary=True, plan=replace(result.plan, predicted=figures))
     return failed
 
 
@@ -943,6 +947,7 @@ def _tune_on(prepared: Prepared, device: Device, options: TuneOptions, margin: i
     if ctx.waited_out and swaps:
         swaps = landed(ctx, swaps)
         result = ctx.simulate(swaps)
+    recomputes = recomputes_from_sim(swaps, sched)
     plan = Plan(
         model=prepared.model.name,
         graph_sha256=graph_fingerprint(prepared.graph_def),
@@ -952,8 +957,8 @@ def _tune_on(prepared: Prepared, device: Device, options: TuneOptions, margin: i
         strategy=strategy_name(options.strategy),
         parameters=params,
         swaps=from_sim(swaps, sched),
-        recomputes=recomputes_from_sim(swaps, sched),
-        predicted=predicted(baseline, result, budget),
+        recomputes=recomputes,
+        predicted=predicted(baseline, result, budget, recompute_flops(recomputes, prepared.view)),
         host_stacks=host_stacks_from(host_stacks, prepared.view, sched),
     )
     return TuneResult(plan, baseline, result, budget, necessary, tuple(log), time_limited=limited)
@@ -1010,6 +1015,8 @@ def _tune_each_gpu(prepared: Prepared, device: Device, options: TuneOptions, mar
     for key in ("host_peak_bytes", "swap_out_bytes", "swap_in_bytes", "swap_outs", "swap_ins", "recomputes",
                 "recompute_bytes", "recompute_time_s"):
         pred[key] = sum(f[key] for f in figures.values())
+    if any("recompute_flops" in f for f in figures.values()):
+        pred["recompute_flops"] = sum(f.get("recompute_flops", 0) for f in figures.values())
     for key in ("peak_bytes_without_plan", "step_time_without_plan_s", "step_time_s"):
         pred[key] = max(f[key] for f in figures.values())
     base_time = pred["step_time_without_plan_s"]
@@ -1241,7 +1248,9 @@ def _stuck_message(ctx: _Context, stuck: _Stuck, strategy: str, budget_act: int,
             "try a larger --gpu-mem or a smaller batch")
 
 
-def predicted(baseline: SimResult, result: SimResult, budget: int) -> dict:
+def predicted(baseline: SimResult, result: SimResult, budget: int, flops: float = 0.0) -> dict:
+    """The plan's figures (``predicted`` in its JSON). ``flops``: what the clones compute
+    (:func:`lmscli.plan.recompute_flops`), given when the plan recomputes anything."""
     return {
         "budget_bytes": budget,
         "peak_bytes_without_plan": baseline.peak_bytes,
@@ -1257,7 +1266,8 @@ def predicted(baseline: SimResult, result: SimResult, budget: int) -> dict:
         "step_time_without_plan_s": baseline.step_time,
         "step_time_s": result.step_time,
         "overhead": round(result.step_time / baseline.step_time - 1.0, 6) if baseline.step_time else 0.0,
-    } | ({"stack_copy_bytes": result.stack_copy_bytes} if result.stack_copy_bytes else {})
+    } | ({"stack_copy_bytes": result.stack_copy_bytes} if result.stack_copy_bytes else {}) | (
+        {"recompute_flops": int(flops)} if result.num_recomputes else {})
 
 
 def _no_fit_message(ctx: _Context, bound, budget: int) -> str:

@@ -1,12 +1,14 @@
 """Which tensors may be made again instead of kept or swapped, and from what (recipes).
 
-A *recipe* for a tensor ``t`` is a short chain of cheap ops of the step, ending with ``t``'s
-producer, and the tensors the chain reads from outside it (its *sources*). Running clones of the
-chain just before ``t``'s far consumers makes ``t`` again, bit for bit, when:
+A *recipe* for a tensor ``t`` is a short chain of ops of the step, ending with ``t``'s producer,
+and the tensors the chain reads from outside it (its *sources*). Running clones of the chain just
+before ``t``'s far consumers makes ``t`` again, bit for bit, when:
 
-* every op of the chain is deterministic and stateless (:data:`CHEAP_OPS`: element-wise math,
-  activations, bias adds, batch norms, pooling, concatenations, pads, casts, transposes; never a
-  random op, a variable update or an op of a while loop or cond branch);
+* every op of the chain is deterministic and stateless (:data:`RECOMPUTABLE_OPS`: element-wise
+  math, activations, bias adds, batch norms, pooling, concatenations, pads, casts, transposes, and
+  convolutions and matrix products (:data:`HEAVY_OPS`), whose kernels compute the same bits for
+  the same shapes; never a random op, a variable update, a convolution's gradient or an op of a
+  while loop or cond branch);
 * every source still holds the value the original chain read: a constant, a variable that no op
   has updated yet when the clones run (the ops that update it are made to wait for the clones,
   which is possible only when they run after the trigger; checked per plan), or an activation
@@ -17,7 +19,9 @@ chain just before ``t``'s far consumers makes ``t`` again, bit for bit, when:
   instead; nodes the optimizations remove are never read. The optimizer guard checks every plan.
 
 Recipes are listed shortest first: the planner takes the first whose sources are all on the GPU
-when the clones would run.
+when the clones would run. A recipe costs its ops' time (a convolution's is its FLOPs at the
+device's rate), so the planner makes a convolution's output again only where that is faster than
+waiting for the link; its chain holds at most :data:`MAX_HEAVY` of them.
 """
 
 from __future__ import annotations
@@ -33,7 +37,14 @@ CHEAP_OPS = (IN_PLACE_OPS - {"AddN"}) | frozenset({
     "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "MaxPool", "AvgPool", "MaxPool3D", "AvgPool3D",
     "ConcatV2", "Pad", "PadV2", "MirrorPad", "Cast", "Transpose", "Softmax", "LogSoftmax",
 })
+# Forward convolutions and matrix products: real arithmetic, made again only where their time is
+# less than the link's (the planner chooses by cost).
+HEAVY_OPS = frozenset({
+    "Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3",
+})
+RECOMPUTABLE_OPS = CHEAP_OPS | HEAVY_OPS
 MAX_OPS = 6  # ops in one recipe
+MAX_HEAVY = 2  # convolutions or matrix products in one recipe
 SMALL_SOURCE = 64 << 10  # sources this small are kept for the clones whenever they are made
 MAX_DEPTH = 3  # recipes per tensor: the producer, then up to two rings of cheap producers around it
 
@@ -49,7 +60,7 @@ class Recipe:
 
 
 def recipes(view: GraphView, schedule: Schedule, cands, fused: frozenset = frozenset()) -> dict[int, tuple[Recipe, ...]]:
-    """Recipes for the candidate tensors ``cands`` (ids) whose producer is a cheap op, shortest first."""
+    """Recipes for the candidate tensors ``cands`` (ids) whose producer may be run again, shortest first."""
     from lmscli.plan import recompute_cost
 
     pos_of = {node: k for k, node in enumerate(schedule.nodes)}
@@ -60,7 +71,7 @@ def recipes(view: GraphView, schedule: Schedule, cands, fused: frozenset = froze
 
     def allowed(node: int) -> bool:
         k = pos_of.get(node)
-        return (k is not None and schedule.on_gpu[k] and view.ops[node] in CHEAP_OPS and view.ops[node] in stateless
+        return (k is not None and schedule.on_gpu[k] and view.ops[node] in RECOMPUTABLE_OPS and view.ops[node] in stateless
                 and not view.in_loop(node) and not view.conditional(node))
 
     for tid in sorted(cands):
@@ -72,7 +83,7 @@ def recipes(view: GraphView, schedule: Schedule, cands, fused: frozenset = froze
         found: list[Recipe] = []
         for _depth in range(MAX_DEPTH):
             chain = _close(view, chain, allowed, fused)
-            if chain is None or len(chain) > MAX_OPS:
+            if chain is None or len(chain) > MAX_OPS or sum(view.ops[n] in HEAVY_OPS for n in chain) > MAX_HEAVY:
                 break
             found_sources = _sources(view, schedule, chain, pos_of, tensor_of)
             if found_sources is None:

@@ -16,7 +16,7 @@ from rich.text import Text
 
 from lmscli import termchart
 from lmscli.device import NO_BUDGET
-from lmscli.units import format_size
+from lmscli.units import format_flops, format_size
 
 CHART_STYLES = {"main": "blue", "over": "bold red", "behind": "grey50", "budget": "red", "axis": "dim", "label": ""}
 CHART_MAX_WIDTH = 100
@@ -37,6 +37,11 @@ def plan_details(prepared, result, limit: int = 10) -> dict:
         named.update(swap.near)
         named.update(swap.waiters)
         for group in swap.swap_ins:
+            named.update(group.consumers)
+            named.add(group.trigger)
+    for rec in result.plan.recomputes:
+        named.add(rec.tensor.rsplit(":", 1)[0])
+        for group in rec.groups:
             named.update(group.consumers)
             named.add(group.trigger)
     for chain in result.plan.serialize:
@@ -207,6 +212,7 @@ def render_tune(console: Console, result, details: dict | None = None) -> None:
     if plan.recomputes:
         t.add_row("recomputations", f"{pred.get('recomputes', 0)} ({format_size(pred.get('recompute_bytes', 0))} made "
                   f"again by {sum(len(r.ops) * len(r.groups) for r in plan.recomputes)} cloned op(s), "
+                  f"{format_flops(pred.get('recompute_flops', 0))}, "
                   f"{pred.get('recompute_time_s', 0.0) * 1e3:.3f} ms of GPU time)")
     if plan.host_stacks:
         t.add_row("loop stacks on the host", f"{len(plan.host_stacks)} gradient stack(s) of while loops "

@@ -286,13 +286,14 @@ def _resimulated(prepared: Prepared, result: TuneResult) -> TuneResult:
     swaps or recomputations out of it); the judge then judges it again."""
     if len(prepared.schedules) > 1:
         return result
-    from lmscli.plan import simulated
+    from lmscli.plan import recompute_flops, simulated
     from lmscli.planner import predicted
     from lmscli.simulator import simulate
 
     device = Device.from_dict(result.plan.device)
     sim = simulate(*simulated(result.plan, prepared.schedule, prepared.view), device.link_bandwidth)
-    return replace(result, result=sim, plan=replace(result.plan, predicted=predicted(result.baseline, sim, result.budget)))
+    figures = predicted(result.baseline, sim, result.budget, recompute_flops(result.plan.recomputes, prepared.view))
+    return replace(result, result=sim, plan=replace(result.plan, predicted=figures))
 
 
 def _run_margin(prepared: Prepared, device: Device, options: TuneOptions) -> int:

@@ -60,6 +60,18 @@ def format_size(num_bytes: int | float | None, precision: int = 2) -> str:
     return f"{sign}{value:.{precision}f} {unit}"
 
 
+def format_flops(flops: int | float) -> str:
+    """Floating-point operations with decimal units: ``format_flops(3.2e9) == '3.20 GFLOP'``."""
+    value = float(flops)
+    if value < 999.5:
+        return f"{value:.0f} FLOP"
+    for unit in ("kFLOP", "MFLOP", "GFLOP", "TFLOP"):
+        value /= 1000
+        if value < 999.995:  # (what rounds to 1000.00 is shown in the next unit)
+            return f"{value:.2f} {unit}"
+    return f"{value / 1000:.2f} PFLOP"
+
+
 _BW_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]+)\s*/\s*s\s*$")
 
 

@@ -99,8 +99,8 @@ def test_every_sample_at_standard_budgets(samples, name, tmp_path):
 
 
 def test_two_gpus_get_one_plan_each(samples):
-    """A graph with towers on two GPUs: each GPU is planned for the budget on its own, swaps
-    relieve the GPU that needs them, and the log says which GPU, as TFLMS's [LMS][k]."""
+    """A graph with towers on two GPUs: each GPU is planned for the budget on its own, swaps and
+    recomputations relieve the GPU that needs them, and the log says which GPU, as TFLMS's [LMS][k]."""
     model = api.load(str(samples / "two_gpu_cnn.meta"))
     prepared = api.prepare(model)
     assert prepared.devices == ("/device:GPU:0", "/device:GPU:1")
@@ -112,7 +112,8 @@ def test_two_gpus_get_one_plan_each(samples):
     result = api.tune(prepared, api.make_device(gpu_mem=budget, reserve=0.0))
     assert [name for name, _ in result.per_device] == list(prepared.devices)
     needing = {name for name, peak in peaks.items() if peak > budget}
-    assert result.plan.swaps and {s.gpu for s in result.plan.swaps} == needing
+    relieved = {s.gpu for s in result.plan.swaps} | {r.gpu for r in result.plan.recomputes}
+    assert relieved == needing  # (swaps, or convolutions made again: the hybrid's choice on this small net)
     per_device = result.plan.predicted["per_device"]
     assert all(f["peak_bytes"] <= budget for f in per_device.values())
     assert set(result.plan.grappler["per_device"]) == set(prepared.devices)

@@ -3,7 +3,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lmscli.errors import InputError
-from lmscli.units import format_size, parse_bandwidth, parse_size
+from lmscli.units import format_flops, format_size, parse_bandwidth, parse_size
 
 
 @pytest.mark.parametrize(
@@ -36,6 +36,20 @@ def test_format_size():
     assert format_size(12) == "12 B"
     assert format_size(None) == "unknown"
     assert format_size(5 << 40) == "5.00 TiB"
+
+
+def test_format_flops():
+    assert format_flops(0) == "0 FLOP"
+    assert format_flops(2.5e7) == "25.00 MFLOP"
+    assert format_flops(4.77e11) == "477.00 GFLOP"
+    assert format_flops(3.3e12) == "3.30 TFLOP"
+    assert format_flops(999_999) == "1.00 MFLOP"  # (not "1000.00 kFLOP")
+
+
+@given(st.floats(min_value=0, max_value=1e18))
+def test_format_flops_names_a_unit(flops):
+    number, unit = format_flops(flops).split()
+    assert unit.endswith("FLOP") and (0 <= float(number) < 1000 or unit == "PFLOP")
 
 
 def test_parse_bandwidth():
