@@ -37,20 +37,31 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
     try:
         try:
             result = checked_tune(prepared, device, options, check, host_device, guard)
-            return _or_swap_plan(prepared, device, options, check, host_device, guard, result)
+            return _or_faster_plan(prepared, device, options, check, host_device, guard, result)
         except NoFitError as exc:
-            if strategy_name(options.strategy) != "hybrid" or timing.out_of_time() or (
-                    exc.bound_bytes is not None and exc.bound_bytes > device.budget):
+            strategy = strategy_name(options.strategy)
+            if strategy not in ("hybrid", "swap") or options.tflms is not None or timing.out_of_time():
                 raise
-            # The judge turned down every plan the hybrid chose (each the fastest of its round), and
-            # a swap-only plan may still pass: the hybrid reaches every budget the swap planner does.
-            try:
-                result = checked_tune(prepared, device, replace(options, strategy="swap"), check, host_device, guard)
-            except NoFitError:
-                raise exc from None
-            line = ("[LMS] no plan with recomputations passed the judge at this budget; the swap-only planner's "
-                    "plan does")
-            return replace(result, log=result.log + (line,))
+            # The judge turned down every plan the strategy chose, and another search may still
+            # pass: the hybrid reaches every budget the swap planner and TFLMS's search reach, the
+            # swap planner every budget TFLMS's search reaches. The lower bound holds for plans
+            # that keep the step's order; TFLMS's synchronous swaps reorder it, so its search is
+            # tried a little below the bound too (as by the reordering fallback).
+            bound = exc.bound_bytes
+            for other in _others(prepared, strategy):
+                if bound is not None and device.budget < (bound if other == "swap" else FALLBACK_SHARE * bound):
+                    continue
+                try:
+                    result = checked_tune(prepared, device, replace(options, strategy=other), check, host_device,
+                                          guard)
+                except NoFitError:
+                    if timing.out_of_time():
+                        break
+                    continue
+                line = (f"[LMS] no plan of the {strategy} planner passed the judge at this budget; "
+                        f"{_SEARCH_NAMES[other]}'s plan does")
+                return replace(result, log=result.log + (line,))
+            raise exc from None
     except NoFitError as exc:
         if not check or options.tflms is not None or prepared.schedule.memory_model != "grappler":
             raise
@@ -66,23 +77,43 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
         return fallback
 
 
-def _or_swap_plan(prepared: Prepared, device: Device, options: TuneOptions, check: bool, host_device: str,
-                  guard: bool, result: TuneResult) -> TuneResult:
-    """The hybrid's plan, or the swap planner's if that is predicted faster. Both searches move the
-    planning margin until the judge accepts a plan, and they take different paths (the hybrid keeps
-    the fastest candidate of each round, the swap planner the one moving the fewest bytes), so the
-    swap planner's search can end on a faster plan; the hybrid must never be slower than it."""
+_SEARCH_NAMES = {"swap": "the swap-only planner", "tflms": "TFLMS's parameter search"}
+
+
+def _others(prepared: Prepared, strategy: str) -> tuple[str, ...]:
+    """The searches the ``strategy``'s plan is measured against: the swap planner and TFLMS's
+    parameter search for the hybrid, TFLMS's search for the swap planner. TFLMS's search is left
+    out on graphs of more than :data:`TFLMS_SEARCH_MAX_OPS` ops and on the stand-in (where each
+    of its bisection's plans would be judged by real runs: minutes)."""
+    others = {"hybrid": ("swap", "tflms"), "swap": ("tflms",)}.get(strategy, ())
+    return tuple(o for o in others if o != "tflms" or (len(prepared.schedule) <= TFLMS_SEARCH_MAX_OPS
+                                                        and prepared.stand_in is None))
+
+
+def _or_faster_plan(prepared: Prepared, device: Device, options: TuneOptions, check: bool, host_device: str,
+                    guard: bool, result: TuneResult) -> TuneResult:
+    """The hybrid's plan, or the swap planner's or TFLMS's search's if one is predicted faster.
+    Each search moves the planning margin until the judge accepts a plan, and they take different
+    paths (the hybrid keeps the fastest candidate of each round, the swap planner the one moving
+    the fewest bytes, TFLMS's search bisects its parameters under the judge), so another search can
+    end on a faster plan; the hybrid must never be slower than them."""
     if (strategy_name(options.strategy) != "hybrid" or not result.necessary or timing.out_of_time()
             or result.result.step_time <= result.baseline.step_time or len(prepared.schedules) > 1):
         return result
-    try:
-        swap = checked_tune(prepared, device, replace(options, strategy="swap"), check, host_device, guard)
-    except NoFitError:
+    best, name = result, None
+    for other in _others(prepared, "hybrid"):
+        if timing.out_of_time():
+            break
+        try:
+            found = checked_tune(prepared, device, replace(options, strategy=other), check, host_device, guard)
+        except NoFitError:
+            continue
+        if found.fits and found.result.step_time < best.result.step_time:
+            best, name = found, other
+    if name is None:
         return result
-    if not swap.fits or swap.result.step_time >= result.result.step_time:
-        return result
-    line = "[LMS] the swap planner's own search found a faster plan than the hybrid's; using it"
-    return replace(swap, log=swap.log + (line,))
+    line = f"[LMS] {_SEARCH_NAMES[name]}'s own search found a faster plan than the hybrid's; using it"
+    return replace(best, log=best.log + (line,))
 
 
 @timed("reordering fallback")

@@ -274,3 +274,60 @@ def test_stand_in_plans_never_make_constants_wait(tmp_path):
     assert not [w for w in landings if ops[w] in CONSTANT_LIKE_OPS or w in prepared.fused]
     meta, _ = api.rewrite(waited, result.plan)
     assert grappler.optimize(meta, prepared.model.fetches) is not None
+
+
+def test_the_default_strategy_is_never_beaten_by_the_other_searches(samples, monkeypatch):
+    """The tune loop measures the hybrid against the swap planner's and TFLMS's own searches: it
+    takes theirs when the judge refused every plan of its own (TFLMS's search also a little below
+    the lower bound, whose order its synchronous swaps change; the swap planner only at or above
+    it) or when theirs is predicted faster; `--strategy swap` falls back on TFLMS's search. (The
+    searches are real plans of the cnn sample; which of them the judge refuses is staged.)"""
+    from dataclasses import replace
+
+    from lmscli import tuning
+
+    prepared = api.prepare(api.load(str(samples / "cnn.meta")))
+    bound = api.analyze(prepared).lower_bound_bytes
+    device = api.make_device(gpu_mem=(bound + prepared.run_peak_bytes) // 2, reserve=0.0, link="pcie3")
+    real = {s: tuning.checked_tune(prepared, device, TuneOptions(strategy=s), check=False)
+            for s in ("hybrid", "swap", "tflms")}
+    assert all(r.fits and r.necessary for r in real.values())
+    calls, refused, stated_bound = [], set(), [None]
+
+    def staged(prepared, device, options, *args, **kwargs):
+        calls.append(options.strategy)
+        if options.strategy in refused:
+            raise NoFitError("refused by the judge", bound_bytes=stated_bound[0], budget_bytes=device.budget)
+        return real[options.strategy]
+
+    monkeypatch.setattr(tuning, "checked_tune", staged)
+
+    def tune(strategy, refuse=(), bound_bytes=None):
+        calls.clear()
+        refused.clear()
+        refused.update(refuse)
+        stated_bound[0] = bound_bytes
+        return tuning.tune(prepared, device, TuneOptions(strategy=strategy), check=False)
+
+    got = tune("hybrid", refuse=("hybrid",), bound_bytes=device.budget)  # the swap planner comes first
+    assert calls == ["hybrid", "swap"] and got.plan.strategy == "swap"
+    assert "the swap-only planner's plan does" in got.log[-1]
+    got = tune("hybrid", refuse=("hybrid", "swap"), bound_bytes=device.budget + 1)  # just above the bound
+    assert calls == ["hybrid", "tflms"] and got.plan.strategy == "tflms"
+    assert "TFLMS's parameter search's plan does" in got.log[-1]
+    with pytest.raises(NoFitError, match="refused"):  # far below the bound: nothing else is tried
+        tune("hybrid", refuse=("hybrid",), bound_bytes=2 * device.budget)
+    assert calls == ["hybrid"]
+    got = tune("swap", refuse=("swap",), bound_bytes=device.budget)
+    assert calls == ["swap", "tflms"] and got.plan.strategy == "tflms"
+    with pytest.raises(NoFitError):  # an explicit strategy other than these two is not replaced
+        tune("recompute", refuse=("recompute",))
+
+    # Faster: the TFLMS-style search's plan, staged 20% faster than the hybrid's, is taken.
+    fast = real["tflms"]
+    real["tflms"] = replace(fast, result=replace(fast.result, step_time=real["hybrid"].result.step_time * 0.8))
+    got = tune("hybrid")
+    assert calls == ["hybrid", "swap", "tflms"] and got.plan.strategy == "tflms"
+    assert "found a faster plan than the hybrid's" in got.log[-1]
+    real["tflms"] = replace(fast, result=replace(fast.result, step_time=real["hybrid"].result.step_time * 2))
+    assert tune("hybrid").plan.strategy == real["hybrid"].plan.strategy  # slower ones are not
