@@ -50,7 +50,7 @@ import threading
 import time
 import uuid
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -124,7 +124,7 @@ class _Outcome:
     message: str | None = None
     peak_bytes: int | None = None
     need_bytes: int | None = None  # out of memory: the bytes in use plus the request that failed
-    trace: object = None  # the first step's StepStats, when traced
+    trace: tuple = ()  # each step's StepStats, when traced
 
 
 class _RunFailed(Exception):
@@ -629,7 +629,7 @@ class StandIn:
 
     def _train(self, pair: _Pair, prep: _Prepared, batch_size: int, steps: int, traced: list | None = None) -> StepRun:
         """Initialise the variables in one session, run the steps and read the results in another.
-        ``traced``: a list that receives the first step's StepStats (a full trace of it)."""
+        ``traced``: a list that receives each step's StepStats (a full trace of it)."""
         tf = tensorflow()
         g = prep.imported
         options = tf.compat.v1.RunOptions(timeout_in_ms=int(self.timeout_s * 1000))
@@ -646,7 +646,7 @@ class StandIn:
                     fetch = {"train": g.targets, "outputs": prep.produced}
                     if g.loss is not None:
                         fetch["loss"] = g.loss
-                    metadata = tf.compat.v1.RunMetadata() if traced is not None and step == 0 else None
+                    metadata = tf.compat.v1.RunMetadata() if traced is not None else None
                     out = sess.run(fetch, feed_dict=prep.feed(step, batch_size),
                                    options=tracing if metadata is not None else options, run_metadata=metadata)
                     if metadata is not None:
@@ -676,7 +676,7 @@ class StandIn:
                                 message=_oom_message(watch.oom_line, "running the step", limit_bytes, watch.oom_node)
                                 + " (the step went on once a transfer freed memory: it stalled)")
             return _Outcome(True, result, peak_bytes=pair.standin.peak_bytes() if peak else None,
-                            trace=traced[0] if traced else None)
+                            trace=tuple(traced or ()))
         except _RunFailed as failure:
             watch.stop()
             return self._classify(failure, watch, pair, limit_bytes)
@@ -734,19 +734,23 @@ class StandIn:
         return self.last_verdict
 
     def observe(self, meta_graph, fetches, *, batch_size: int = 1, loss: str | None = None):
-        """One training step of ``fetches`` traced on the stand-in, in fresh processes as every run
-        is: each op's kernel scratch, the order the stand-in's executor started the ops in, and their
-        times (an :class:`~lmscli.prove.scratch.Observation` of the stand-in's ops). The allocator
-        gets one region of :data:`OBSERVE_REGION` bytes (untouched pages cost nothing), so its
-        chunks are split to each request: a region grown on demand hands a 22.5 MiB request a
-        whole 32 MiB chunk, and the trace would count the chunk."""
+        """Two training steps of ``fetches`` traced on the stand-in, in fresh processes as every run
+        is: each op's kernel scratch and the order the stand-in's executor started the ops in, as
+        the first step (the one a limit must hold) shows them, and their times, as the second shows
+        them (the first step's include one-time work: oneDNN builds each convolution's kernel on its
+        first run, several times its later runs). An :class:`~lmscli.prove.scratch.Observation` of
+        the stand-in's ops. The allocator gets one region of :data:`OBSERVE_REGION` bytes
+        (untouched pages cost nothing), so its chunks are split to each request: a region grown on
+        demand hands a 22.5 MiB request a whole 32 MiB chunk, and the trace would count the chunk."""
         from lmscli.prove.scratch import from_step_stats
 
-        outcome = self._run_once(_prepare(meta_graph, fetches, loss), OBSERVE_REGION, batch_size, 1, False,
+        outcome = self._run_once(_prepare(meta_graph, fetches, loss), OBSERVE_REGION, batch_size, 2, False,
                                  trace=True)
-        if not outcome.fits or outcome.trace is None:
+        if not outcome.fits or len(outcome.trace) < 2:
             raise LmsError(f"the step does not run on the stand-in even without a limit: {outcome.message}")
-        return from_step_stats(outcome.trace, f"/job:{STANDIN_JOB}/")
+        prefix = f"/job:{STANDIN_JOB}/"
+        first, warm = from_step_stats(outcome.trace[0], prefix), from_step_stats(outcome.trace[1], prefix)
+        return replace(first, micros={**first.micros, **warm.micros})
 
     def find_min(self, meta_graph, fetches, *, hint_bytes: int | None = None, lo_bytes: int | None = None,
                  hi_bytes: int | None = None, batch_size: int = 1, runs: int = 3, resolution: int = MIB,
