@@ -103,7 +103,8 @@ def replay(prepared: Prepared, plan: Plan) -> TuneResult:
         baseline = simulate(schedule, (), device.link_bandwidth)
         result = simulate(*simulated(plan, schedule, prepared.view), device.link_bandwidth)
         replays.append((result.peak_bytes, schedule.device, baseline, result))
-    _peak, _name, baseline, result = max(replays, key=lambda r: r[0])
+    _peak, name, baseline, result = max(replays, key=lambda r: r[0])
     filled = replace(plan, predicted=predicted(baseline, result, device.budget,
                                                recompute_flops(plan.recomputes, prepared.view)))
-    return TuneResult(filled, baseline, result, device.budget, plan.changes, ())
+    return TuneResult(filled, baseline, result, device.budget, plan.changes, (),
+                      device=name if len(replays) > 1 else "")

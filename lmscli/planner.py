@@ -80,6 +80,7 @@ class TuneResult:
     per_device: tuple = field(default=())  # (GPU, TuneResult) per GPU, for graphs placed on several
     judge: str = "simulator"  # "grappler": the plan fits only in Grappler's order (api.reordering_fallback)
     time_limited: bool = False  # refinement stopped at --time-limit: the best fitting plan found by then
+    device: str = ""  # on several GPUs: the GPU (its schedule's device) ``result`` was simulated for
 
     @property
     def fits(self) -> bool:
@@ -1006,7 +1007,7 @@ def _tune_each_gpu(prepared: Prepared, device: Device, options: TuneOptions, mar
             raise NoFitError(f"on {name}: {exc}", exc.bound_bytes, exc.binding_op, exc.budget_bytes) from None
         log = tuple(line.replace("[LMS]", f"[LMS][{k}]", 1) for line in result.log)
         results.append((name, replace(result, log=log)))
-    worst = max((r for _, r in results), key=lambda r: r.result.peak_bytes)
+    worst_name, worst = max(results, key=lambda r: r[1].result.peak_bytes)
     plans = [r.plan for _, r in results]
     params = plans[0].parameters if all(p.parameters == plans[0].parameters for p in plans) else {
         name: r.plan.parameters for name, r in results}
@@ -1028,7 +1029,7 @@ def _tune_each_gpu(prepared: Prepared, device: Device, options: TuneOptions, mar
                    host_stacks=tuple(h for p in plans for h in p.host_stacks))
     return TuneResult(plan, worst.baseline, worst.result, worst.budget, any(r.necessary for _, r in results),
                       tuple(line for _, r in results for line in r.log), tuple(results),
-                      time_limited=any(r.time_limited for _, r in results))
+                      time_limited=any(r.time_limited for _, r in results), device=worst_name)
 
 
 def _best_plan(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str], options: TuneOptions, lb: int):

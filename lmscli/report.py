@@ -27,6 +27,8 @@ def plan_details(prepared, result, limit: int = 10) -> dict:
     """Plain data for the reports of a plan: ``top_live_at_peak`` (the largest tensors live at the
     peak with the plan) and ``op_levels`` (the level of every op the plan names)."""
     sched, view = prepared.schedule, prepared.view
+    if result.device:  # on several GPUs: the schedule of the GPU the result was simulated for
+        sched = next(s for s in prepared.schedules if s.device == result.device)
     if result.plan.host_stacks:  # the schedule the plan was simulated on: its stacks' tensors left out
         from lmscli.plan import simulated
 

@@ -98,6 +98,28 @@ def test_every_sample_at_standard_budgets(samples, name, tmp_path):
     assert fitted, "no budget of this sample was tested"
 
 
+def test_a_two_gpu_report_names_the_tensors_of_the_gpu_it_shows(samples, runner, tmp_path):
+    """The report of a plan for two GPUs lists the largest tensors live at the peak of the GPU
+    whose figures it shows (the one needing the most with the plan, which need not be the one
+    needing the most without it), for a plan made here and for one read back with --plan."""
+    import json
+
+    facts = api.analyze(api.prepare(api.load(str(samples / "two_gpu_cnn.meta"))))
+    budget = (max(d.lower_bound_bytes for d in facts.devices) + facts.peak_bytes) // 2
+    plan, out = tmp_path / "plan.json", tmp_path / "out.meta"
+    made = invoke(runner, "rewrite", samples / "two_gpu_cnn.meta", out, "--gpu-mem", budget, "--reserve", "0",
+                  "--json", "--plan-out", plan)
+    assert made.exit_code == 0, made.output
+    doc = json.loads(made.stdout)
+    assert doc["fits"] and doc["top_live_at_peak"]
+    shown = max(doc["plan"]["predicted"]["per_device"].items(), key=lambda kv: kv[1]["peak_bytes"])[0]
+    tower = "tower" + shown[-1]  # /device:GPU:k runs tower k
+    assert all(t["name"].startswith(tower) or "/" not in t["name"] for t in doc["top_live_at_peak"])
+    again = invoke(runner, "rewrite", samples / "two_gpu_cnn.meta", tmp_path / "again.meta", "--plan", plan, "--json")
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.stdout)["top_live_at_peak"] == doc["top_live_at_peak"]
+
+
 def test_two_gpus_get_one_plan_each(samples):
     """A graph with towers on two GPUs: each GPU is planned for the budget on its own, swaps and
     recomputations relieve the GPU that needs them, and the log says which GPU, as TFLMS's [LMS][k]."""
