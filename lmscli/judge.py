@@ -94,6 +94,7 @@ def optimizer_culprits(prepared: Prepared, plan: Plan, rewritten, optimized=None
     return (), ()
 
 
+@timed("judge")
 def run_peak(prepared: Prepared, rewritten, optimized, link_bandwidth: float = float("inf"),
              device: Device | None = None) -> int | None:
     """The judge's figure for ``rewritten``: see :func:`lmscli.analysis.run_peak`, with transfers at
