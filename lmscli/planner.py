@@ -929,7 +929,11 @@ def _tune_on(prepared: Prepared, device: Device, options: TuneOptions, margin: i
         lb = bound.bytes
         if lb > max(budget, budget - margin):  # a negative margin plans for more than the budget
             op = sched.names[bound.position] if bound.position is not None else None
-            raise NoFitError(_no_fit_message(ctx, bound, budget), bound_bytes=lb, binding_op=op, budget_bytes=budget)
+            message = _no_fit_message(ctx, bound, budget)
+            if options.forbidden:  # the bound counts them: it is above the one `lms analyze` gives
+                message += (f" (with {len(options.forbidden)} tensor(s) the optimizer guard leaves unswapped, "
+                            "since a swap node there changes what Grappler's optimizations do)")
+            raise NoFitError(message, bound_bytes=lb, binding_op=op, budget_bytes=budget)
         if budget_act <= 0:  # the judge's margin left nothing for the tensors of the graph as written
             raise NoFitError(f"no plan found under {format_size(budget)}: the graph TensorFlow runs needs so much "
                              "more than the graph as written that nothing is left to plan with; try a larger "

@@ -331,3 +331,23 @@ def test_the_default_strategy_is_never_beaten_by_the_other_searches(samples, mon
     assert "found a faster plan than the hybrid's" in got.log[-1]
     real["tflms"] = replace(fast, result=replace(fast.result, step_time=real["hybrid"].result.step_time * 2))
     assert tune("hybrid").plan.strategy == real["hybrid"].plan.strategy  # slower ones are not
+
+
+def test_a_bound_raised_by_the_guard_says_so(samples):
+    """Tensors the optimizer guard leaves unswapped count in the lower bound of a no-plan answer,
+    which is then above the one `lms analyze` gives: the message says why (QA: an attention
+    model's bound read 16.0 MiB near 80% of its peak and 13.5 MiB at 50%)."""
+    from lmscli.planner import _Context, tune as plan_tune
+
+    prepared = api.prepare(api.load(str(samples / "cnn.meta")))
+    bound = api.analyze(prepared).lower_bound_bytes
+    device = api.make_device(gpu_mem=bound + (prepared.run_peak_bytes - bound) // 10, reserve=0.0)
+    ctx = _Context(prepared, device, api.Filters())
+    sched = prepared.schedule
+    big = sorted(ctx.cands, key=lambda t: -sched.tensors[t].num_bytes)[:3]
+    forbidden = frozenset(sched.label(t) for t in big)
+    with pytest.raises(NoFitError) as caught:
+        plan_tune(prepared, device, TuneOptions(forbidden=forbidden))
+    assert caught.value.bound_bytes > bound
+    assert "3 tensor(s) the optimizer guard leaves unswapped" in str(caught.value)
+    plan_tune(prepared, device, TuneOptions())  # without them, a plan
