@@ -182,13 +182,15 @@ def _line(got: dict) -> str:
     text = f"{'fits' if got['fits'] else 'OVER'} peak {format_size(got['peak'])}"
     if "overhead" in got:
         text += (f", overhead {got['overhead']:+.1%}, moved {format_size(got['moved'])}, "
-                 f"recomputed {format_size(got['recomputed'])} ({_gflop(got)}, {got['recompute_ms']:.2f} ms), "
+                 f"recomputed {format_size(got['recomputed'])} ({_flops(got)}, {got['recompute_ms']:.2f} ms), "
                  f"{got['seconds']:.1f}s")
     return text
 
 
-def _gflop(got: dict) -> str:
-    return f"{got.get('recompute_flops', 0) / 1e9:,.0f} GFLOP"
+def _flops(got: dict) -> str:
+    from lmscli.units import format_flops
+
+    return format_flops(got.get("recompute_flops", 0))
 
 
 def render(results: list, machine: str, timing_checks=()) -> str:
@@ -216,7 +218,7 @@ def render(results: list, machine: str, timing_checks=()) -> str:
                 detail = "-"
                 if hybrid["status"] == "ran":
                     detail = (f"{format_size(hybrid['moved'])} / {format_size(hybrid['recomputed'])} "
-                              f"({_gflop(hybrid)}, {hybrid['recompute_ms']:.2f} ms)")
+                              f"({_flops(hybrid)}, {hybrid['recompute_ms']:.2f} ms)")
                 out.append(f"| {row['share']:.0%} ({format_size(row['budget'])}) | {link} | "
                            f"{cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | {detail} |")
         if any(row["grappler"] for row in graph["rows"]):

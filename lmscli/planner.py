@@ -889,8 +889,7 @@ def _with_host_stacks(prepared: Prepared, device: Device, options: TuneOptions, 
             failed.log = tuple(lines)
             continue
         log.extend(lines)
-        figures = predicted(baseline, result.result, device.budget,
-                            recompute_flops(result.plan.recomputes, prepared.view))
+        figures = predicted(baseline, result.result, device.budget, result.plan.predicted.get("recompute_flops", 0))
         return replace(result, baseline=baseline, necessary=True, plan=replace(result.plan, predicted=figures))
     return failed
 
