@@ -51,10 +51,8 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
             for other in _others(prepared, strategy):
                 if bound is not None and device.budget < (bound if other == "swap" else FALLBACK_SHARE * bound):
                     continue
-                try:
-                    result = checked_tune(prepared, device, replace(options, strategy=other), check, host_device,
-                                          guard)
-                except NoFitError:
+                result = _search(prepared, device, options, other, check, host_device, guard)
+                if result is None:
                     if timing.out_of_time():
                         break
                     continue
@@ -90,6 +88,15 @@ def _others(prepared: Prepared, strategy: str) -> tuple[str, ...]:
                                                         and prepared.stand_in is None))
 
 
+def _search(prepared: Prepared, device: Device, options: TuneOptions, strategy: str, check: bool, host_device: str,
+            guard: bool) -> TuneResult | None:
+    """The tune loop's plan with ``strategy`` instead of the asked one; None when none passes."""
+    try:
+        return checked_tune(prepared, device, replace(options, strategy=strategy), check, host_device, guard)
+    except NoFitError:
+        return None
+
+
 def _or_faster_plan(prepared: Prepared, device: Device, options: TuneOptions, check: bool, host_device: str,
                     guard: bool, result: TuneResult) -> TuneResult:
     """The hybrid's plan, or the swap planner's or TFLMS's search's if one is predicted faster.
@@ -104,11 +111,8 @@ def _or_faster_plan(prepared: Prepared, device: Device, options: TuneOptions, ch
     for other in _others(prepared, "hybrid"):
         if timing.out_of_time():
             break
-        try:
-            found = checked_tune(prepared, device, replace(options, strategy=other), check, host_device, guard)
-        except NoFitError:
-            continue
-        if found.fits and found.result.step_time < best.result.step_time:
+        found = _search(prepared, device, options, other, check, host_device, guard)
+        if found is not None and found.fits and found.result.step_time < best.result.step_time:
             best, name = found, other
     if name is None:
         return result
