@@ -3,9 +3,10 @@ the order TensorFlow's executor runs the ops in, and their times.
 
 CPU kernels take temporaries from the device's allocator while they run (the col buffers of
 convolution gradients, up to tens of MiB at small shapes); a GPU's kernels use cuDNN workspaces
-instead, which ``--reserve`` covers. With TensorFlow's BFC allocator (the stand-in's, and a
-GPU's), a traced step records each op's own peak allocation and what it left allocated, so
-``peak - live`` is what the op held only while it ran.
+instead, which ``--reserve`` covers. A traced step records each op's own peak allocation and
+what it left allocated, so ``peak - live`` is what the op held only while it ran (traced on
+TensorFlow's plain CPU allocator, these are the bytes the kernel asked for; the stand-in's BFC
+allocator would record the chunks it handed out).
 
 The order: with one inter-op thread, TensorFlow's CPU executor runs cheap ops inline as they
 become ready and queues expensive ones last-in first-out, so weight gradients and their updates

@@ -79,7 +79,6 @@ _LOG_HEAD = re.compile(r"^[IWEF]\d{4} \d+:\d+:(\d+\.\d+) +(\d+) ")  # glog: time
 _MAP = "memory-map"  # the prefix of the allocator's memory maps (TF_BFC_MEMORY_DUMP) in a server's files
 _POLL_S = 0.05
 _MAX_LIMIT = 1 << 40
-OBSERVE_REGION = 8 << 30  # the allocator's region in an observed step: as good as no limit
 
 
 class StandInError(LmsError):
@@ -570,27 +569,29 @@ class StandIn:
             self._zygote = _Zygote(self._path("zygote.log"), self.timeout_s)
         return self._zygote
 
-    def _start(self, limit_bytes: int | None, stats: bool) -> _Pair:
-        """Fork a fresh stand-in (with the limit) and host, both starting at once."""
+    def _start(self, limit_bytes: int | None, stats: bool, bfc: bool = True) -> _Pair:
+        """Fork a fresh stand-in (with the limit) and host, both starting at once. ``bfc=False``: the
+        stand-in keeps TensorFlow's plain CPU allocator (no limit), whose traces record requested
+        bytes (see :meth:`observe`)."""
         for _attempt in range(3):
             try:
-                return self._start_once(limit_bytes, stats)
+                return self._start_once(limit_bytes, stats, bfc)
             except _PortTaken:
                 continue
         raise StandInError("could not start the stand-in's servers: their ports were taken three times")
 
-    def _start_once(self, limit_bytes: int | None, stats: bool) -> _Pair:
+    def _start_once(self, limit_bytes: int | None, stats: bool, bfc: bool) -> _Pair:
         zygote = self._zygote_process()
         self._count += 1
         ports = _free_ports(2)
         cluster = {STANDIN_JOB: [f"127.0.0.1:{ports[0]}"], HOST_JOB: [f"127.0.0.1:{ports[1]}"]}
         name = self._path(f"{self._count}-{STANDIN_JOB}")
-        env = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_BFC_MEMORY_DUMP": f"{name}.{_MAP}"}
-        if limit_bytes is not None:  # plus the small first region that the pre-allocation fills
+        env = {"TF_CPU_ALLOCATOR_USE_BFC": "true" if bfc else "false", "TF_BFC_MEMORY_DUMP": f"{name}.{_MAP}"}
+        if limit_bytes is not None and bfc:  # plus the small first region that the pre-allocation fills
             env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str((limit_bytes + FIRST_REGION) // MIB)
         servers: list[_Server] = []
         try:
-            for job, job_env, inter, prealloc, sock in ((STANDIN_JOB, env, 1, limit_bytes or 0, stats),
+            for job, job_env, inter, prealloc, sock in ((STANDIN_JOB, env, 1, (limit_bytes or 0) if bfc else 0, stats),
                                                         (HOST_JOB, {}, 2, 0, False)):
                 name = self._path(f"{self._count}-{job}")
                 request = {"job": job, "cluster": cluster, "env": job_env, "log": name + ".log",
@@ -664,7 +665,7 @@ class StandIn:
 
     def _run_once(self, prep: _Prepared, limit_bytes: int | None, batch_size: int, steps: int,
                   peak: bool, trace: bool = False) -> _Outcome:
-        pair = self._start(limit_bytes, peak)
+        pair = self._start(limit_bytes, peak, bfc=not trace)
         watch = _Watch(pair)
         watch.start()
         traced: list | None = [] if trace else None
@@ -739,13 +740,14 @@ class StandIn:
         the first step (the one a limit must hold) shows them, and their times, as the second shows
         them (the first step's include one-time work: oneDNN builds each convolution's kernel on its
         first run, several times its later runs). An :class:`~lmscli.prove.scratch.Observation` of
-        the stand-in's ops. The allocator gets one region of :data:`OBSERVE_REGION` bytes
-        (untouched pages cost nothing), so its chunks are split to each request: a region grown on
-        demand hands a 22.5 MiB request a whole 32 MiB chunk, and the trace would count the chunk."""
+        the stand-in's ops. The traced stand-in keeps TensorFlow's plain CPU allocator, without a
+        limit: the trace then records the bytes each kernel asked for. A BFC allocator's trace
+        records the chunks it handed out, and a chunk less than twice a request is handed out
+        whole: a 3D U-Net's 432 MiB convolution scratch was traced as the 512 MiB chunk it got, and
+        the prediction of the step's need was 14% high."""
         from lmscli.prove.scratch import from_step_stats
 
-        outcome = self._run_once(_prepare(meta_graph, fetches, loss), OBSERVE_REGION, batch_size, 2, False,
-                                 trace=True)
+        outcome = self._run_once(_prepare(meta_graph, fetches, loss), None, batch_size, 2, False, trace=True)
         if not outcome.fits or len(outcome.trace) < 2:
             raise LmsError(f"the step does not run on the stand-in even without a limit: {outcome.message}")
         prefix = f"/job:{STANDIN_JOB}/"
