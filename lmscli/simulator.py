@@ -264,8 +264,9 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
     compute_us = sum(schedule.compute)
     allocator_peak = peak + schedule.resident_bytes
     if allocator and executor:
-        from lmscli.memmodel import allocator_high_water, bounded_min_limit
+        from lmscli.memmodel import allocator_high_water, bounded_min_limit, in_pieces
 
+        events = in_pieces(events, schedule.tensors)
         allocator_peak = max(allocator_peak, allocator_high_water(events, schedule.resident_bytes))
         allocator_peak = bounded_min_limit(events, schedule.resident_bytes, start=allocator_peak)
     return SimResult(

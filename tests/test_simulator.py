@@ -253,6 +253,26 @@ def test_a_bounded_region_hands_its_last_chunk_out_whole():
     assert fits_in_region(events, bounded_min_limit(events, start=25 * mib))
 
 
+def test_what_a_loop_keeps_is_placed_one_iteration_at_a_time():
+    """A stack is filled by one push per iteration, each its own allocation: between two live
+    tensors, two 3 MiB holes take its six 1 MiB elements, where one 6 MiB block fits nowhere in an
+    8 MiB region (a tanh RNN's stacks, placed as one block, needed a 20 MiB limit; the stand-in,
+    14 MiB)."""
+    from lmscli.memmodel import fits_in_region, in_pieces
+
+    mib = 1 << 20
+    tensors = [SimTensor(0, 0, 0, 3 * mib, (2,)), SimTensor(1, 0, 0, 1 * mib, (5,)), SimTensor(2, 0, 0, 3 * mib, (2,)),
+               SimTensor(3, 0, 0, 1 * mib, (5,)), SimTensor(4, 3, STORAGE_OUTPUT, 6 * mib, (5,), pieces=6)]
+    # b [0, 1), a [1, 4), d [4, 5), c [5, 8); a and c freed: two 3 MiB holes.
+    events = [(0, 0, 1, 1, 1 * mib), (0, 1, 1, 0, 3 * mib), (0, 2, 1, 3, 1 * mib), (0, 3, 1, 2, 3 * mib),
+              (1, 0, 1, 0, -3 * mib), (1, 1, 1, 2, -3 * mib), (2, 0, 1, 4, 6 * mib), (3, 0, 1, 4, -6 * mib)]
+    assert not fits_in_region(events, 8 * mib)
+    pieces = in_pieces(events, tensors)
+    assert len(pieces) == len(events) - 2 + 2 * 6
+    assert fits_in_region(pieces, 8 * mib)
+    assert in_pieces(events[:4], tensors[:4]) == events[:4]  # nothing to split: the same list
+
+
 def test_simulate_reports_the_allocator_peak_on_request():
     s = executor("abcd", [(0, 1024, [1, 3]), (1, 1024, [2]), (2, 1536, [3]), (3, 256, [])],
                  op_types=["Conv2D", "Conv2D", "Conv2D", "AddN"])
