@@ -197,12 +197,46 @@ def run_graph(model: Model, meta_graph, optimized, known: dict | None = None) ->
 
     if optimized is None:
         return None
-    graph = Model(model.path, model.format, with_graph_def(meta_graph, optimized), tuple(model.fetches),
-                  model.fetch_source, [])
-    try:
-        return prepare(graph, optimize=False, known=known)
-    except LmsError:
+    for graph_def in (optimized, _importable(optimized)):
+        if graph_def is None:
+            break
+        graph = Model(model.path, model.format, with_graph_def(meta_graph, graph_def), tuple(model.fetches),
+                      model.fetch_source, [])
+        try:
+            return prepare(graph, optimize=False, known=known)
+        except LmsError:
+            continue
+    return None
+
+
+def _importable(optimized):
+    """A copy of ``optimized`` that TensorFlow can import again, or None when it needs no change.
+    Grappler's remapper fuses a batch norm and its activation (and a side input) into
+    ``_FusedBatchNormEx`` for any channel count, but that op's shape function, run on import,
+    accepts only multiples of 4 (a DenseNet's 42 channels are not). For the memory model the
+    fused op is a ``FusedBatchNormV3`` with the same outputs; a side input becomes a control
+    input (it is read at that moment all the same)::
+
+        _FusedBatchNormEx(x, scale, offset, mean, var, side; activation_mode=Relu)
+          -->  FusedBatchNormV3(x, scale, offset, mean, var, ^side)
+    """
+    fused = [node for node in optimized.node if node.op == "_FusedBatchNormEx"]
+    if not fused:
         return None
+    copy = type(optimized)()
+    copy.CopyFrom(optimized)
+    for node in copy.node:
+        if node.op != "_FusedBatchNormEx":
+            continue
+        data = [i for i in node.input if not i.startswith("^")]
+        control = [i for i in node.input if i.startswith("^")]
+        del node.input[:]
+        node.input.extend(data[:5] + control + ["^" + i.split(":")[0] for i in data[5:]])
+        node.op = "FusedBatchNormV3"
+        for key in ("activation_mode", "num_side_inputs"):
+            if key in node.attr:
+                del node.attr[key]
+    return copy
 
 
 def run_peak_of(seen: Prepared, scratch: dict | None = None, order=(), micros: dict | None = None,

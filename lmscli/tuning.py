@@ -34,6 +34,18 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
     """Plan with the simulator, then check the plan twice, replanning until both agree (see
     :func:`checked_tune`). When the simulator finds no plan, TFLMS's parameter sets are tried
     with Grappler's estimate as the judge (:func:`reordering_fallback`)."""
+    result = _tune(prepared, device, options, check, host_device, guard)
+    if options.tflms is None and not result.fits:
+        # A plan the judge (or the simulator, where no judge runs) found over the budget is no
+        # plan: exit 3, never a written graph that runs out of memory.
+        need = result.plan.predicted.get("run_peak_bytes") or result.result.peak_bytes
+        raise NoFitError(f"no plan found fits under {format_size(device.budget)}: the best one found needs "
+                         f"{format_size(need)}; try a larger --gpu-mem", budget_bytes=device.budget)
+    return result
+
+
+def _tune(prepared: Prepared, device: Device, options: TuneOptions, check: bool, host_device: str,
+          guard: bool) -> TuneResult:
     try:
         try:
             result = checked_tune(prepared, device, options, check, host_device, guard)
@@ -242,9 +254,11 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
             else:  # ... or, after that many rounds, just drop them from the plan
                 result = _resimulated(prepared, replace(result, plan=optguard.without(result.plan, tensors, ())))
                 continue
-        if executor and not manual and len(prepared.schedules) <= 1 and prepared.run_peak_bytes is not None:
+        if (executor and not manual and len(prepared.schedules) <= 1
+                and (prepared.run_peak_bytes is not None or prepared.stand_in is not None)):
             # The judge: the executor model on the graph the Session runs (Grappler-optimized).
-            # (On the stand-in the step is run even when nothing is planned: the truth, not a model.)
+            # (On the stand-in the step is run even when nothing is planned: the truth, not a model;
+            # and whether or not the model could read the graph the Session runs.)
             peak = (run_peak(prepared, meta, optimized, device.link_bandwidth, device)
                     if result.plan.changes or prepared.stand_in is not None else prepared.run_peak_bytes)
             if peak is not None and not result.plan.changes and peak <= device.budget:

@@ -272,3 +272,33 @@ def test_one_branch_of_a_v1_cond_is_counted(tmp_path):
         readers = {view.names[dst] for dst, _port, out in view.consumers[schedule.nodes[t.producer]] if out == t.output}
         assert not readers & prepared.untaken
     assert any("branch of each cond" in note for note in api.analyze(prepared).notes)
+
+
+def test_a_fused_batch_norm_grappler_makes_is_modelled_whatever_its_channels():
+    """QA: Grappler's remapper fuses a batch norm and its ReLU into ``_FusedBatchNormEx`` for any
+    channel count (on CPUs with oneDNN, on GPUs), but that op's shape function accepts only
+    multiples of 4 when TensorFlow imports the graph again: with 42 channels the graph TensorFlow
+    runs could not be modelled, and a --stand-in plan went out unjudged and ran out of memory.
+    The model reads such an op as the FusedBatchNormV3 it replaces."""
+    tf = tensorflow()
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [2, 4, 4, 6], name="x")
+        y, _mean, _var = v1.nn.fused_batch_norm(x, tf.ones([6]), tf.zeros([6]), is_training=True)
+        tf.nn.relu(y, name="out")
+    graph_def = graph.as_graph_def()
+    for node in graph_def.node:
+        if node.op == "FusedBatchNormV3":
+            node.op = "_FusedBatchNormEx"
+            node.attr["activation_mode"].s = b"Relu"
+            node.attr["num_side_inputs"].i = 0
+    with pytest.raises(Exception, match="divisible by 4"):
+        with tf.Graph().as_default():
+            tf.graph_util.import_graph_def(graph_def, name="")
+    importable = analysis._importable(graph_def)
+    with tf.Graph().as_default():
+        tf.graph_util.import_graph_def(importable, name="")
+    assert {n.op for n in importable.node} >= {"FusedBatchNormV3"} and "_FusedBatchNormEx" not in {
+        n.op for n in importable.node}
+    assert analysis._importable(importable) is None  # nothing left to change

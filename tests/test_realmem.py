@@ -204,3 +204,26 @@ def test_analyze_on_the_stand_in_gives_its_own_figures(runner, attention):
     assert 0 < here["lower_bound_bytes"] <= here["peak_bytes"]
     # The limit the attention test proves a plan at (15 MiB, 10% reserve) is within reach.
     assert here["lower_bound_bytes"] <= 0.9 * 15 * MIB < here["peak_bytes"]
+
+
+@pytest.mark.slow
+def test_the_stand_in_judges_a_plan_even_when_the_model_cannot_read_the_run_graph(residual, monkeypatch):
+    """QA: when the graph TensorFlow runs could not be modelled (``run_peak_bytes`` None), the
+    judge was skipped, its real runs on the stand-in too, and a plan over the budget was written
+    (exit 0) and ran out of memory in `lms verify`. The stand-in's judge now runs regardless, and
+    a plan the judge finds over the budget is no plan (exit 3)."""
+    from dataclasses import replace
+
+    from lmscli import tuning
+    from lmscli.device import STAND_IN_LINK
+
+    prepared = api.for_stand_in(api.prepare(api.load(str(residual))))
+    bound = api.analyze(prepared).lower_bound_bytes
+    limit = int(bound + 0.5 * (prepared.run_peak_bytes - bound)) // MIB * MIB
+    unread = replace(prepared)
+    unread.__dict__["run_peak_bytes"] = None  # (a cached property)
+    result = api.tune(unread, api.make_device(gpu_mem=limit, link=STAND_IN_LINK))
+    assert result.fits and result.plan.predicted["stand_in"]["fits"]
+    monkeypatch.setattr(tuning, "_tune", lambda *args: replace(result, budget=result.budget // 2))
+    with pytest.raises(api.NoFitError, match="the best one found needs"):
+        api.tune(unread, api.make_device(gpu_mem=limit, link=STAND_IN_LINK))
