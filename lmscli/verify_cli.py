@@ -120,7 +120,8 @@ def _limit(text: str, predicted_bytes: int) -> int:
 @click.argument("rewritten", type=click.Path())
 @click.option("--steps", type=click.IntRange(min=1), default=2, show_default=True,
               help="Training steps to run and compare.")
-@click.option("--batch-size", type=click.IntRange(min=1), help="Set unknown batch dimensions to N.")
+@click.option("--batch-size", type=click.IntRange(min=1),
+              help="Set unknown batch dimensions to N (default: the size a rewrite made with --batch-size set).")
 @click.option("--fetch", "fetch", metavar="NAME[,NAME]",
               help="Ops a training step runs (default: the original's train_op collection, else its sinks).")
 @click.option("--loss", metavar="TENSOR", help="Loss tensor to compare (default: loss:0, else the losses collection).")
@@ -151,12 +152,14 @@ def verify(original, rewritten, steps, batch_size, fetch, loss, no_measure, tf_o
     """
     from lmscli import api
     from lmscli.prove import verify as verifier
+    from lmscli.prove.steps import rewrite_batch_size
 
     fetches = fetch.split(",") if fetch else None
     with _progress(as_json, no_color) as progress:
         with progress.phase("loading"):
             model_a = api.load(original, fetch=fetches)
             model_b = api.load(rewritten, fetch=list(model_a.fetches))
+            batch_size = rewrite_batch_size(model_a.meta_graph, model_b.meta_graph, batch_size)
         if gpu_mem is not None:
             with progress.phase("proving on the stand-in GPU"):
                 _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, not no_tf_optimize,

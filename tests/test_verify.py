@@ -33,7 +33,7 @@ from lmscli import api
 from lmscli.prove import measure, steps, verify
 from lmscli.tfimport import tensorflow
 from lmscli.verify_cli import verify as verify_command
-from tests.conftest import SAMPLES
+from tests.conftest import SAMPLES, invoke
 
 NAMES = ["cnn", "unet3d", "resnet50"]
 
@@ -344,3 +344,18 @@ def test_frozen_graphs_compare_their_outputs(tmp_path):
     api.save(model, model.meta_graph, str(broken))
     result = _run(original, broken, "--no-measure", "--json")
     assert result.exit_code == 4 and "output" in json.loads(result.stdout)["first_difference"]
+
+
+def test_a_rewrite_made_for_a_batch_size_is_verified_at_it(samples, tmp_path, runner):
+    """QA: a rewrite made with --batch-size fixes the placeholders' unknown dimensions; verify
+    without --batch-size fed the original its default instead, and reported a difference that is
+    not there (exit 4). It now takes the size from the rewrite, and refuses another one."""
+    out = tmp_path / "unknown_batch.lms.meta"
+    made = invoke(runner, "rewrite", samples / "unknown_batch.meta", out, "--gpu-mem", "1.5MiB", "--reserve", "0",
+                  "--batch-size", "8", "-q")
+    assert made.exit_code == 0, made.output
+    checked = invoke(runner, "verify", samples / "unknown_batch.meta", out, "--json")
+    assert checked.exit_code == 0, checked.output
+    assert json.loads(checked.stdout)["identical"]
+    wrong = invoke(runner, "verify", samples / "unknown_batch.meta", out, "--batch-size", "4")
+    assert wrong.exit_code == 1 and "made for batch size 8" in wrong.output

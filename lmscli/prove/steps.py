@@ -191,6 +191,34 @@ def _feed_value(name: str, shape, dtype, batch_size: int, step: int):
     return rng.standard_normal(size=dims).astype(dtype.as_numpy_dtype)
 
 
+def rewrite_batch_size(original, rewritten, batch_size: int | None) -> int | None:
+    """The batch size to feed both graphs of a proof. A rewrite made with ``--batch-size N`` has
+    its placeholders' unknown dimensions set to N; fed another size, the original would compute
+    something else and a proof would report a difference that is not there. Without a
+    ``batch_size``, that N (None when the rewrite set none); a different ``batch_size`` is an
+    InputError. ``original`` and ``rewritten`` are MetaGraphDefs."""
+    fixed = set()
+    theirs = {n.name: n for n in rewritten.graph_def.node if n.op in ("Placeholder", "PlaceholderV2")}
+    for node in original.graph_def.node:
+        other = theirs.get(node.name)
+        if other is None or node.op not in ("Placeholder", "PlaceholderV2") or "shape" not in node.attr:
+            continue
+        mine, set_to = node.attr["shape"].shape, other.attr["shape"].shape
+        if mine.unknown_rank or set_to.unknown_rank or len(mine.dim) != len(set_to.dim):
+            continue
+        fixed.update(b.size for a, b in zip(mine.dim, set_to.dim) if a.size < 0 <= b.size)
+    if len(fixed) > 1:
+        raise InputError(f"the rewrite sets the original's unknown dimensions to several sizes ({sorted(fixed)}); "
+                         "give --batch-size")
+    if not fixed:
+        return batch_size
+    (size,) = fixed
+    if batch_size is not None and batch_size != size:
+        raise InputError(f"the rewrite was made for batch size {size} (its placeholders say so), not "
+                         f"{batch_size}: give --batch-size {size}, or leave it out")
+    return size
+
+
 def feeds(placeholders, batch_size: int, step: int) -> dict:
     """The same random values for a placeholder name and step in every graph."""
     feed = {}
