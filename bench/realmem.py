@@ -34,6 +34,7 @@ GRAPHS = {
         ("ResNet-50 64" + sup(2) + " b2 (sample)", generated("resnet50", image_size=64, batch=2)),
         ("DenseNet-style b8 64" + sup(2), generated("densenet", batch=8, image_size=64, growth=24, blocks=3,
                                                     layers_per_block=4)),
+        ("3D U-Net 64" + sup(3) + " b1", generated("unet3d", volume=64, batch=1)),
         ("transformer b4 s128 d128 2 layers", generated("transformer", batch=4, seq=128, d_model=128, heads=4,
                                                          ffn=512, layers=2)),
         ("tanh RNN b64 h256, 128 steps (stack_rnn sample)", generated("stack_rnn")),
@@ -43,7 +44,7 @@ GRAPHS = {
     ],
 }
 BUDGET_STEP = 0.10  # limits tried: lower bound x (1, 1.10, 1.20, ...)
-MAX_TRIES = 10
+MAX_TRIES = 15
 
 
 @dataclass
