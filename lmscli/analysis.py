@@ -156,7 +156,8 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
     fused = grappler.fused_away(meta.graph_def, optimized)
     dead = untaken = frozenset()
     if prune_dead if prune_dead is not None else judge == "executor":
-        pruned = grappler.dead_nodes(meta.graph_def, optimized, model.fetches)
+        pruned = grappler.dead_nodes(meta.graph_def, optimized, model.fetches) | grappler.folded_shapes(
+            meta.graph_def, fused)
         dead = frozenset(view.names[i] for i in schedule.nodes if view.names[i] in pruned)
         untaken = frozenset(view.names[i] for i in view.untaken_branches(
             i for i in schedule.nodes if view.names[i] not in dead))
@@ -522,8 +523,8 @@ def _dead_notes(prepared: Prepared) -> tuple[str, ...]:
     """A note when ops of the step as written are left out because Grappler prunes them."""
     if not prepared.dead:
         return ()
-    return (f"{len(prepared.dead)} op(s) compute results nothing reads (gradients with respect to constants or dropout masks): "
-            "TensorFlow's optimizations prune them, so the schedule leaves them out",)
+    return (f"{len(prepared.dead)} op(s) compute results nothing reads (gradients with respect to constants or dropout "
+            "masks) or read static shapes: TensorFlow's optimizations prune or fold them, so the schedule leaves them out",)
 
 
 def _branch_notes(prepared: Prepared) -> tuple[str, ...]:

@@ -222,6 +222,23 @@ def fused_away(graph_def, optimized) -> frozenset:
     return frozenset(node.name for node in graph_def.node if node.name not in kept and node.op not in calls)
 
 
+SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+
+
+def folded_shapes(graph_def, fused: frozenset) -> frozenset:
+    """Names of the shape reads (``Shape``, ``ShapeN``, ``Size``, ``Rank``) that Grappler's
+    constant folding replaces with constants (the shapes are static): in a step they never run, so
+    they hold the tensor they read no longer than its other readers. In the graph as written a
+    v1 cond's gradient runs its ``ShapeN`` late in the backward pass, and every activation it
+    reads looked held to then, as if no swap could free it (QA: no plan at twice the lower
+    bound)::
+
+        Relu (forward branch) --> ShapeN (gradient branch, folded) --> Conv2DBackpropInput
+    """
+    ops = {node.name: node.op for node in graph_def.node}
+    return frozenset(name for name in fused if ops.get(name) in SHAPE_OPS)
+
+
 FORK_MAX_THREADS = 2  # a process that has only imported TensorFlow and parsed graphs runs 2 threads
 
 

@@ -631,11 +631,18 @@ def _gap_joint(ctx: _Context, cand: Candidate, p: int, result: SimResult, d2h, c
 
 def _helps_instantly(ctx: _Context, swap: SimSwap, p: int, instant: SimResult) -> bool:
     """With instant transfers, is the tensor off the GPU while ``p`` runs? It is freed just after
-    its last near consumer (or producer) ends and comes back when the trigger ends."""
+    its last near consumer (or producer) ends and comes back when the trigger ends. Under the
+    executor model ops run one after another, so ops ending at one moment (zero-time ops after
+    ``p``) still run in their order: a trigger two Identity nodes after a convolution brings its
+    swap-in back after the convolution (a v1 cond's gradient branch, QA: no plan at twice the
+    lower bound); Grappler's accounting lets an instant's ops hold their tensors at once."""
     t = ctx.schedule.tensors[swap.tensor]
     last_use = max((t.producer,) + swap.near)
     freed = instant.ends[last_use]
-    back = instant.ends[swap.groups[0].trigger] if swap.groups else float("inf")
+    trigger = swap.groups[0].trigger if swap.groups else len(ctx.schedule)
+    back = instant.ends[trigger] if swap.groups else float("inf")
+    if ctx.schedule.memory_model == "executor":
+        return (instant.starts[p], p) > (freed, last_use) and (instant.ends[p], p) < (back, trigger)
     return instant.starts[p] > freed and instant.ends[p] < back
 
 
