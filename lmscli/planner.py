@@ -826,8 +826,10 @@ def _tune_one(prepared: Prepared, device: Device, options: TuneOptions, margin: 
     """A plan for one GPU. When the step has gradient stacks of v1 while loops that could live on
     the host (:mod:`lmscli.hoststacks`), a plan that keeps some there is made too, and the faster
     of the two wins (then the one moving fewer bytes): swapping can beat copying a whole stack
-    every iteration, and where swaps cannot reach the loops' stacks only hosting fits."""
-    stacks = () if options.strategy == "tflms" else tuple(  # (TFLMS's search never moved a loop's stacks)
+    every iteration, and where swaps cannot reach the loops' stacks only hosting fits. Not for
+    TFLMS's search (it never moved a loop's stacks) nor ``--strategy recompute`` (recomputation
+    only: nothing goes to host memory)."""
+    stacks = () if strategy_name(options.strategy) in ("tflms", "recompute") else tuple(
         h for h in hoststacks.hostable(prepared.view, prepared.dead | prepared.untaken)
         if not any(prepared.view.names[i] in options.forbidden for i in h.stacks))
     if not stacks:

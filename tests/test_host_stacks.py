@@ -95,6 +95,15 @@ def _write(path, text: str):
     return path
 
 
+def test_recomputation_only_keeps_every_stack_on_the_gpu(stack_rnn):
+    """QA: ``--strategy recompute`` put a GRU's stacks on the host; it promises recomputation only
+    (nothing in host memory). At a budget only hosting reaches, it has no plan."""
+    _model, prepared = stack_rnn
+    budget = (api.analyze(prepared).lower_bound_bytes + _plain_bound(prepared)) // 2
+    with pytest.raises(api.NoFitError):
+        api.tune(prepared, api.make_device(gpu_mem=budget, reserve=0.0), api.TuneOptions(strategy="recompute"))
+
+
 def test_plans_naming_stacks_wrongly_are_refused(stack_rnn):
     _model, prepared = stack_rnn
     view = prepared.view
