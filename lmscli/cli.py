@@ -17,6 +17,7 @@ from functools import wraps
 import click
 
 from lmscli import __version__
+from lmscli.cliopts import size_text
 from lmscli.device import NO_BUDGET, STAND_IN_LINK
 from lmscli.device import PRESETS as _PRESETS
 from lmscli.errors import EXIT_ERROR, LmsError
@@ -168,12 +169,12 @@ def _print_profile(clock, no_color: bool) -> None:
 def device_options(func):
     """The device a plan is made for (shared by tune and rewrite)."""
 
-    @click.option("--gpu-mem", metavar="SIZE", help="GPU memory, e.g. 16GiB, 32GB, 1.5e9, or N% of the no-swap peak.")
+    @click.option("--gpu-mem", metavar="SIZE", callback=size_text, help="GPU memory, e.g. 16GiB, 32GB, 1.5e9, or N% of the no-swap peak.")
     @click.option("--device", "device_preset", type=click.Choice(sorted(PRESET_NAMES)),
                   help="A named GPU (memory, speed, link).")
     @click.option("--reserve", type=click.FloatRange(0.0, 0.99), default=None,
                   help="Share of GPU memory held back for workspaces and fragmentation (default 0.10).")
-    @click.option("--host-mem", metavar="SIZE", help="Pinned host memory for swapped tensors (default 64GiB).")
+    @click.option("--host-mem", metavar="SIZE", callback=size_text, help="Pinned host memory for swapped tensors (default 64GiB).")
     @click.option("--link", metavar="LINK", help="CPU-GPU link: nvlink2, pcie3, pcie4, pcie5, nvlink-c2c or e.g. 25GB/s.")
     @wraps(func)
     def wrapper(*args, **kwargs):
@@ -441,7 +442,7 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
 @click.option("--plan", "plan_file", type=click.Path(dir_okay=False), help="Apply a reviewed plan (from tune --plan-out).")
 @click.option("--serialize", "serialize_levels", metavar="LEVELS",
               help="Run the ops of these levels one at a time, e.g. 1,3:5,7 (ranges include both ends).")
-@click.option("--serialize-by-size", metavar="SIZE", help="Serialize every level whose outputs exceed SIZE.")
+@click.option("--serialize-by-size", metavar="SIZE", callback=size_text, help="Serialize every level whose outputs exceed SIZE.")
 @click.option("--host-device", default="/device:CPU:0", show_default=True, help="Where swap nodes are placed.")
 @click.option("--force", is_flag=True, help="Rewrite a graph that already has lms/ swap nodes.")
 @click.option("--dry-run", is_flag=True, help="Report what would be added; write nothing.")

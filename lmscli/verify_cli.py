@@ -17,6 +17,8 @@ import sys
 
 import click
 
+from lmscli.cliopts import size_text
+
 
 @contextlib.contextmanager
 def _progress(as_json: bool, no_color: bool):
@@ -129,7 +131,7 @@ def _limit(text: str, predicted_bytes: int) -> int:
 @click.option("--tf-order", is_flag=True,
               help="Measure in the order TensorFlow's executor picks (changes per session; host copies lag) "
                    "instead of the simulator's schedule.")
-@click.option("--gpu-mem", metavar="SIZE",
+@click.option("--gpu-mem", metavar="SIZE", callback=size_text,
               help="Prove it under a hard memory limit: both graphs train on a stand-in GPU (a TensorFlow server "
                    "process whose allocator is limited to SIZE, swaps going to a second process); e.g. 12MiB, "
                    "or N% of the original's predicted need.")
@@ -257,7 +259,9 @@ def _render_needs(console, needs) -> None:
 
     table = Table(title="Smallest limit under which one training step runs (stand-in GPU)", title_justify="left")
     for column in ("graph", "measured", "predicted (GPU)", "predicted here", "vs measured", "Grappler"):
-        table.add_column(column, justify="left" if column == "graph" else "right")
+        # (the graph's path folds rather than being cut to a few characters at 80 columns)
+        table.add_column(column, justify="left" if column == "graph" else "right",
+                         overflow="fold" if column == "graph" else "ellipsis")
     for n in needs:
         p = n.prediction
         table.add_row(n.path, format_size(n.min_limit_bytes) + (" (varies)" if n.varies else ""),

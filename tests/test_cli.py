@@ -30,6 +30,12 @@ def test_usage_error_is_exit_2(runner):
     assert result.exit_code == 2
     result = invoke(runner, "analyze", "x.pb", "--batch-size", "0")
     assert result.exit_code == 2
+    # A malformed size is a usage error too (QA: exit 1), caught before the graph is read.
+    for args in (("tune", "x.pb", "--gpu-mem", "12XB"), ("rewrite", "x.pb", "y.pb", "--gpu-mem", "0%"),
+                 ("verify", "x.pb", "y.pb", "--gpu-mem", "lots"), ("tune", "x.pb", "--gpu-mem", "1GiB",
+                                                                    "--host-mem", "12XB")):
+        result = invoke(runner, *args)
+        assert result.exit_code == 2 and "Invalid value" in result.output, (args, result.output)
 
 
 def test_console_script_entry_point():
