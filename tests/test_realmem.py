@@ -227,3 +227,34 @@ def test_the_stand_in_judges_a_plan_even_when_the_model_cannot_read_the_run_grap
     monkeypatch.setattr(tuning, "_tune", lambda *args: replace(result, budget=result.budget // 2))
     with pytest.raises(api.NoFitError, match="the best one found needs"):
         api.tune(unread, api.make_device(gpu_mem=limit, link=STAND_IN_LINK))
+
+
+@pytest.mark.slow
+def test_time_limit_settles_before_another_round_of_real_runs(residual, monkeypatch):
+    """QA: `--stand-in --time-limit 20` took 46 s: a round of the judge's real runs (five runs of
+    the step) started though it would end past the limit. Once a judged plan is at hand, no round
+    starts that, as long as the last, would end past it."""
+    import time
+
+    from lmscli import judge, timing, tuning
+    from lmscli.device import STAND_IN_LINK
+
+    prepared = api.for_stand_in(api.prepare(api.load(str(residual))))
+    bound = api.analyze(prepared).lower_bound_bytes
+    limit = int(bound + 0.5 * (prepared.run_peak_bytes - bound)) // MIB * MIB
+    rounds = []
+    judged = judge.stand_in_need
+
+    def counted(*args):
+        rounds.append(1)
+        # The first plan judged needs more than the budget (the search goes on), the next fits.
+        need = judged(*args)
+        return need if len(rounds) > 1 else args[2].budget + MIB
+
+    monkeypatch.setattr(judge, "stand_in_need", counted)
+    # A deadline that a round as long as the first would pass once a plan is judged.
+    with timing.Clock(deadline=time.monotonic() + 3600) as clock:
+        monkeypatch.setattr(tuning.timing, "round_took", lambda seconds: setattr(
+            clock, "round_s", 3600 if len(rounds) >= 2 else 0.0))
+        result = api.tune(prepared, api.make_device(gpu_mem=limit, link=STAND_IN_LINK))
+    assert result.fits and len(rounds) == 2  # (without the limit, the swap planner's search runs a third)
