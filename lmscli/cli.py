@@ -169,12 +169,14 @@ def _print_profile(clock, no_color: bool) -> None:
 def device_options(func):
     """The device a plan is made for (shared by tune and rewrite)."""
 
-    @click.option("--gpu-mem", metavar="SIZE", callback=size_text, help="GPU memory, e.g. 16GiB, 32GB, 1.5e9, or N% of the no-swap peak.")
+    @click.option("--gpu-mem", metavar="SIZE", callback=size_text,
+                  help="GPU memory, e.g. 16GiB, 32GB, 1.5e9, or N% of the no-swap peak.")
     @click.option("--device", "device_preset", type=click.Choice(sorted(PRESET_NAMES)),
                   help="A named GPU (memory, speed, link).")
     @click.option("--reserve", type=click.FloatRange(0.0, 0.99), default=None,
                   help="Share of GPU memory held back for workspaces and fragmentation (default 0.10).")
-    @click.option("--host-mem", metavar="SIZE", callback=size_text, help="Pinned host memory for swapped tensors (default 64GiB).")
+    @click.option("--host-mem", metavar="SIZE", callback=size_text,
+                  help="Pinned host memory for swapped tensors (default 64GiB).")
     @click.option("--link", metavar="LINK", help="CPU-GPU link: nvlink2, pcie3, pcie4, pcie5, nvlink-c2c or e.g. 25GB/s.")
     @wraps(func)
     def wrapper(*args, **kwargs):
