@@ -6,7 +6,7 @@ convolution gradients, up to tens of MiB at small shapes); a GPU's kernels use c
 instead, which ``--reserve`` covers. A traced step records each op's own peak allocation and
 what it left allocated, so ``peak - live`` is what the op held only while it ran (traced on
 TensorFlow's plain CPU allocator, these are the bytes the kernel asked for; the stand-in's BFC
-allocator would record the chunks it handed out).
+allocator records the chunks it handed out, so its traced steps give the order and times only).
 
 The order: with one inter-op thread, TensorFlow's CPU executor runs cheap ops inline as they
 become ready and queues expensive ones last-in first-out, so weight gradients and their updates

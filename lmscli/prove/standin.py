@@ -79,6 +79,7 @@ _LOG_HEAD = re.compile(r"^[IWEF]\d{4} \d+:\d+:(\d+\.\d+) +(\d+) ")  # glog: time
 _MAP = "memory-map"  # the prefix of the allocator's memory maps (TF_BFC_MEMORY_DUMP) in a server's files
 _POLL_S = 0.05
 _MAX_LIMIT = 1 << 40
+OBSERVE_REGION = 8 << 30  # the allocator's region in an observed step: as good as no limit
 
 
 class StandInError(LmsError):
@@ -664,8 +665,8 @@ class StandIn:
         return StepRun(tuple(losses), values, placements, tuple(outputs))
 
     def _run_once(self, prep: _Prepared, limit_bytes: int | None, batch_size: int, steps: int,
-                  peak: bool, trace: bool = False) -> _Outcome:
-        pair = self._start(limit_bytes, peak, bfc=not trace)
+                  peak: bool, trace: bool = False, bfc: bool = True) -> _Outcome:
+        pair = self._start(limit_bytes, peak, bfc=bfc)
         watch = _Watch(pair)
         watch.start()
         traced: list | None = [] if trace else None
@@ -740,19 +741,25 @@ class StandIn:
         the first step (the one a limit must hold) shows them, and their times, as the second shows
         them (the first step's include one-time work: oneDNN builds each convolution's kernel on its
         first run, several times its later runs). An :class:`~lmscli.prove.scratch.Observation` of
-        the stand-in's ops. The traced stand-in keeps TensorFlow's plain CPU allocator, without a
-        limit: the trace then records the bytes each kernel asked for. A BFC allocator's trace
-        records the chunks it handed out, and a chunk less than twice a request is handed out
-        whole: a 3D U-Net's 432 MiB convolution scratch was traced as the 512 MiB chunk it got, and
-        the prediction of the step's need was 14% high."""
+        the stand-in's ops. Those steps run on the stand-in's BFC allocator, given one region of
+        :data:`OBSERVE_REGION` bytes (untouched pages cost nothing). The scratch comes from one more
+        traced step on TensorFlow's plain CPU allocator, whose trace records the bytes each kernel
+        asked for: a BFC allocator's records the chunk each got, and a chunk less than twice a
+        request is handed out whole (a 3D U-Net's 432 MiB convolution temporary was traced as
+        512 MiB, and the step's need predicted 14% high). That step's times are not taken: fresh
+        pages for each large buffer made a DenseNet's recomputed ops look three times slower."""
         from lmscli.prove.scratch import from_step_stats
 
-        outcome = self._run_once(_prepare(meta_graph, fetches, loss), None, batch_size, 2, False, trace=True)
-        if not outcome.fits or len(outcome.trace) < 2:
-            raise LmsError(f"the step does not run on the stand-in even without a limit: {outcome.message}")
+        prep = _prepare(meta_graph, fetches, loss)
+        timed = self._run_once(prep, OBSERVE_REGION, batch_size, 2, False, trace=True)
+        sized = self._run_once(prep, None, batch_size, 1, False, trace=True, bfc=False) if timed.fits else timed
+        if not (timed.fits and sized.fits) or len(timed.trace) < 2 or not sized.trace:
+            failed = sized if timed.fits else timed
+            raise LmsError(f"the step does not run on the stand-in even without a limit: {failed.message}")
         prefix = f"/job:{STANDIN_JOB}/"
-        first, warm = from_step_stats(outcome.trace[0], prefix), from_step_stats(outcome.trace[1], prefix)
-        return replace(first, micros={**first.micros, **warm.micros})
+        first, warm = from_step_stats(timed.trace[0], prefix), from_step_stats(timed.trace[1], prefix)
+        scratch = from_step_stats(sized.trace[0], prefix).scratch
+        return replace(first, scratch=scratch, micros={**first.micros, **warm.micros})
 
     def find_min(self, meta_graph, fetches, *, hint_bytes: int | None = None, lo_bytes: int | None = None,
                  hi_bytes: int | None = None, batch_size: int = 1, runs: int = 3, resolution: int = MIB,
