@@ -43,7 +43,7 @@ def rewrite(prepared: Prepared, plan: Plan, host_device: str = DEFAULT_HOST_DEVI
 def for_stand_in(prepared: Prepared, stand_in=None) -> Prepared:
     """The step as the CPU stand-in GPU of ``lms verify --gpu-mem`` runs it: the kernel scratch of
     this machine's CPU kernels, the CPU executor's order and the CPU's op times, all observed in
-    one traced step on the stand-in itself (see :mod:`lmscli.prove.scratch`); plans for it are
+    traced steps on the stand-in itself (see :mod:`lmscli.prove.scratch`); plans for it are
     judged by real runs there (:func:`stand_in_need`). For plans meant to be proven on the
     stand-in (with the stand-in's link: :data:`lmscli.device.STAND_IN_LINK`). ``stand_in``: the
     :class:`~lmscli.prove.standin.StandIn` to use (default: one shared by the process, stopped

@@ -211,7 +211,7 @@ def plan_options(func):
     @click.option("--stand-in", "stand_in", is_flag=True,
                   help="Plan for the CPU stand-in GPU of `lms verify --gpu-mem`, not for a real GPU: count the scratch "
                        "buffers this machine's CPU kernels take and follow the CPU executor's op order, both observed "
-                       "in one traced step there, and judge each plan by five real runs under --gpu-mem.")
+                       "in traced steps there, and judge each plan by five real runs under --gpu-mem.")
     @click.option("--no-grappler-check", is_flag=True, help="Skip Grappler's estimate of the plan (its second opinion).")
     @click.option("--time-limit", type=click.FloatRange(min=0.0, min_open=True), metavar="SECONDS",
                   help="Stop refining after SECONDS (counted from the start) and return the best fitting plan "
@@ -340,7 +340,7 @@ def report_option(func):
 @report_option
 @click.option("--stand-in", "stand_in", is_flag=True,
               help="The step as the CPU stand-in GPU of `lms verify --gpu-mem` runs it (its kernels' scratch "
-                   "buffers and op order, observed in one traced step): the peak, and the lower bound before "
+                   "buffers and op order, observed in traced steps): the peak, and the lower bound before "
                    "`--stand-in` planning leaves alone the tensors whose swap would change Grappler's optimizations.")
 @output_options
 def analyze(model, fmt, fetch, tag, batch_size, plot, report_file, stand_in, as_json, verbose, quiet, no_color):

@@ -39,7 +39,8 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
     if options.tflms is None and not result.fits:
         # A plan the judge (or the simulator, where no judge runs) found over the budget is no
         # plan: exit 3, never a written graph that runs out of memory.
-        need = result.plan.predicted.get("run_peak_bytes") or result.result.peak_bytes
+        need = (result.plan.grappler.get("peak_bytes") if result.judge == "grappler" else None) or \
+            result.plan.predicted.get("run_peak_bytes") or result.result.peak_bytes
         raise NoFitError(f"no plan found fits under {format_size(device.budget)}: the best one found needs "
                          f"{format_size(need)}; try a larger --gpu-mem", budget_bytes=device.budget)
     return result

@@ -5,5 +5,5 @@
 :mod:`~lmscli.prove.measure` from TensorFlow's allocation records); :mod:`~lmscli.prove.standin`
 is a stand-in GPU with a hard memory limit, on which :mod:`~lmscli.prove.realmem` proves a rewrite
 at a limit and finds the smallest limit a step trains under; :mod:`~lmscli.prove.scratch` observes
-one traced step (kernel scratch, the executor's order, op times) for predictions.
+traced steps (kernel scratch, the executor's order, op times) for predictions.
 """

@@ -44,7 +44,7 @@ class Prediction:
 
 def predict(model, batch_size: int | None = None, observation=None, stand_in=None) -> tuple[Prediction, object]:
     """Predict one step of ``model`` (a loaded Model) on a GPU and on the stand-in. The stand-in's
-    figure follows what one traced step of that graph on the stand-in shows (kernel scratch, the
+    figure follows what traced steps of that graph on the stand-in show (kernel scratch, the
     CPU executor's order and op times: :meth:`lmscli.prove.standin.StandIn.observe`); returns that
     observation too. ``stand_in``: the StandIn to observe on (default: the process's shared one)."""
     from lmscli import api, grappler
