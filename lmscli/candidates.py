@@ -24,12 +24,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lmscli.graphview import CONTROL_FLOW_OPS, VARIABLE_OPS, GraphView
+from lmscli.graphview import CONTROL_FLOW_OPS, SHAPE_OPS, VARIABLE_OPS, GraphView
 from lmscli.schedule import Schedule
 
-NEVER_SWAP_PRODUCERS = frozenset(
-    {"Const", "HostConst", "Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs"}
-) | VARIABLE_OPS | CONTROL_FLOW_OPS
+NEVER_SWAP_PRODUCERS = frozenset({"Const", "HostConst", "BroadcastGradientArgs"}) | SHAPE_OPS | VARIABLE_OPS | CONTROL_FLOW_OPS
 
 # An Identity's output is its input's value: when Grappler removes one, its consumers read that
 # input instead, so its output still exists (unlike an op fused into a kernel) and may be swapped.
@@ -132,7 +130,7 @@ def edge_safe(view: GraphView, schedule: Schedule, k: int) -> bool:
 # Ops that are, or that Grappler's constant folding turns into, constants. A control edge added
 # into one is moved by its constant folding and dependency optimizer, which can then build a
 # cycle (seen: a landing edge into the Const of a SquaredDifference gradient on a transformer).
-CONSTANT_LIKE_OPS = frozenset({"Const", "HostConst", "Shape", "ShapeN", "Size", "Rank"})
+CONSTANT_LIKE_OPS = frozenset({"Const", "HostConst"}) | SHAPE_OPS
 
 
 def landing_safe(view: GraphView, schedule: Schedule, k: int, fused: frozenset = frozenset()) -> bool:

@@ -28,6 +28,7 @@ CONTROL_FLOW_OPS = frozenset(
      "NextIteration", "RefNextIteration", "LoopCond", "ControlTrigger"}
 )
 VARIABLE_OPS = frozenset({"VarHandleOp", "VariableV2", "Variable", "AutoReloadVariable"})
+SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})  # read a tensor's shape, not its values
 DEFAULT_GPU = "/device:GPU:0"
 _DEVICE_PART = re.compile(r"/?(job|replica|task|device|cpu|gpu):?([^/]*)", re.IGNORECASE)
 

@@ -222,9 +222,6 @@ def fused_away(graph_def, optimized) -> frozenset:
     return frozenset(node.name for node in graph_def.node if node.name not in kept and node.op not in calls)
 
 
-SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
-
-
 def folded_shapes(graph_def, fused: frozenset) -> frozenset:
     """Names of the shape reads (``Shape``, ``ShapeN``, ``Size``, ``Rank``) that Grappler's
     constant folding replaces with constants (the shapes are static): in a step they never run, so
@@ -235,6 +232,8 @@ def folded_shapes(graph_def, fused: frozenset) -> frozenset:
 
         Relu (forward branch) --> ShapeN (gradient branch, folded) --> Conv2DBackpropInput
     """
+    from lmscli.graphview import SHAPE_OPS
+
     ops = {node.name: node.op for node in graph_def.node}
     return frozenset(name for name in fused if ops.get(name) in SHAPE_OPS)
 
