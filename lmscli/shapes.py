@@ -41,6 +41,22 @@ def set_batch_size(graph_def, batch_size: int):
     return out, changed
 
 
+def batch_sizes_set(graph_def, rewritten) -> frozenset:
+    """The sizes :func:`set_batch_size` gave the placeholders of ``graph_def`` in ``rewritten`` (a
+    GraphDef made from it): the dim 0 that is unknown in the one and known in the other."""
+    theirs = {node.name: node for node in rewritten.node if node.op in _PLACEHOLDERS and "shape" in node.attr}
+    sizes = set()
+    for node in graph_def.node:
+        other = theirs.get(node.name)
+        if other is None or node.op not in _PLACEHOLDERS or "shape" not in node.attr:
+            continue
+        mine, set_to = node.attr["shape"].shape, other.attr["shape"].shape
+        if mine.dim and set_to.dim and not (mine.unknown_rank or set_to.unknown_rank):
+            if mine.dim[0].size == -1 and set_to.dim[0].size >= 0:
+                sizes.add(int(set_to.dim[0].size))
+    return frozenset(sizes)
+
+
 def _info(tensor) -> TensorInfo:
     dtype = tensor.dtype.base_dtype
     try:

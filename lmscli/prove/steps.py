@@ -197,16 +197,9 @@ def rewrite_batch_size(original, rewritten, batch_size: int | None) -> int | Non
     something else and a proof would report a difference that is not there. Without a
     ``batch_size``, that N (None when the rewrite set none); a different ``batch_size`` is an
     InputError. ``original`` and ``rewritten`` are MetaGraphDefs."""
-    fixed = set()
-    theirs = {n.name: n for n in rewritten.graph_def.node if n.op in ("Placeholder", "PlaceholderV2")}
-    for node in original.graph_def.node:
-        other = theirs.get(node.name)
-        if other is None or node.op not in ("Placeholder", "PlaceholderV2") or "shape" not in node.attr:
-            continue
-        mine, set_to = node.attr["shape"].shape, other.attr["shape"].shape
-        if mine.unknown_rank or set_to.unknown_rank or len(mine.dim) != len(set_to.dim):
-            continue
-        fixed.update(b.size for a, b in zip(mine.dim, set_to.dim) if a.size < 0 <= b.size)
+    from lmscli.shapes import batch_sizes_set
+
+    fixed = batch_sizes_set(original.graph_def, rewritten.graph_def)
     if len(fixed) > 1:
         raise InputError(f"the rewrite sets the original's unknown dimensions to several sizes ({sorted(fixed)}); "
                          "give --batch-size")
