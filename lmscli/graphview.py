@@ -263,6 +263,8 @@ class GraphView:
         left untagged (their Switch/Merge pairs are the loop's)."""
         tags: list[frozenset] = [frozenset()] * self.size
         switches = ("Switch", "RefSwitch")
+        if not any(op in switches for op in self.ops):
+            return tags
         for i in self.order:
             if self.frames[i]:
                 continue

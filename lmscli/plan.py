@@ -242,8 +242,8 @@ def recompute_cost(schedule: Schedule, positions) -> tuple[int, int]:
     cost = sum(schedule.compute[k] for k in positions)
     inner = set(positions[:-1])
     shares = schedule.shares
-    extra = sum(t.num_bytes for t in schedule.tensors
-                if t.producer in inner and not (shares and shares[t.id] != -1))
+    extra = sum(schedule.tensors[tid].num_bytes for k in inner for tid in schedule.outputs[k]
+                if not (shares and shares[tid] != -1))
     if schedule.scratch:
         extra += max(schedule.scratch[k] for k in positions)
     return cost, extra

@@ -201,7 +201,8 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
             add_control(waiter, swapout)
     n_re = re_bytes = n_clones = 0
     gates: list[str] = []  # each waits for its trigger by a control edge
-    swapin_nodes = {node.name: node for node in graph.node if node.name in set(swapins.values())}
+    landed_names = set(swapins.values())
+    swapin_nodes = {node.name: node for node in graph.node if node.name in landed_names}
 
     def _swapin_dtype(name: str):
         node = swapin_nodes.get(name)

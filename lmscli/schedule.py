@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from functools import cached_property
 
 from lmscli.costmodel import op_time
 from lmscli.graphview import DEFAULT_GPU, VARIABLE_OPS, GraphView
@@ -120,6 +121,14 @@ class Schedule:
     @property
     def resident_bytes(self) -> int:
         return self.variable_bytes + self.constant_bytes
+
+    @cached_property
+    def outputs(self) -> tuple[tuple[int, ...], ...]:
+        """Per position, the ids of the tensors the op there produces (computed once)."""
+        out: list[list[int]] = [[] for _ in self.nodes]
+        for t in self.tensors:
+            out[t.producer].append(t.id)
+        return tuple(tuple(ids) for ids in out)
 
     def __len__(self) -> int:
         return len(self.nodes)
