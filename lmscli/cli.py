@@ -446,7 +446,7 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
               help="Run the ops of these levels one at a time, e.g. 1,3:5,7 (ranges include both ends).")
 @click.option("--serialize-by-size", metavar="SIZE", callback=size_text, help="Serialize every level whose outputs exceed SIZE.")
 @click.option("--host-device", default="/device:CPU:0", show_default=True, help="Where swap nodes are placed.")
-@click.option("--force", is_flag=True, help="Rewrite a graph that already has lms/ swap nodes.")
+@click.option("--force", is_flag=True, help="Rewrite a graph that already has lms swap nodes.")
 @click.option("--dry-run", is_flag=True, help="Report what would be added; write nothing.")
 @click.option("--plan-out", type=click.Path(dir_okay=False), help="Also write the applied plan as JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write a memory-over-time plot (.png or .svg).")
@@ -474,7 +474,7 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
     with progress.phase(f"loading {model}"):
         loaded = _load(model, fmt, fetch, tag)
     if not force and has_lms_nodes(loaded.graph_def):
-        raise GraphError(f"{model}: the graph already contains lms/ swap nodes (it was rewritten before); "
+        raise GraphError(f"{model}: the graph already contains lms swap nodes (it was rewritten before); "
                          "pass --force to rewrite it again")
     with progress.phase("inferring shapes and scheduling the step"):
         prepared = api.prepare(loaded, batch_size=batch_size, judge=judge)

@@ -24,7 +24,7 @@ import hashlib
 import re
 
 from lmscli.graphview import parse_input
-from lmscli.rewriter import SCOPE
+from lmscli.rewriter import is_lms_node
 from lmscli.timing import timed
 
 _TRANSPARENT = frozenset({"Identity", "NoOp"})
@@ -108,7 +108,7 @@ def involved(optimized_original, optimized_rewritten) -> frozenset:
     """Names of the graph nodes around the first places where Grappler optimizes the rewritten
     graph differently from the original: each node computing something the other graph does not
     while its inputs are computed by both, and the nodes those inputs come from. Empty when both
-    come out alike. Swap nodes (``lms/``) are looked through."""
+    come out alike. Swap nodes (``P-lms-...``) are looked through."""
     a, b = digests(optimized_original), digests(optimized_rewritten)
     names: set[str] = set()
     for graph, (mine, resolve), (theirs, _) in ((optimized_original, a, b), (optimized_rewritten, b, a)):
@@ -120,7 +120,7 @@ def involved(optimized_original, optimized_rewritten) -> frozenset:
             if all(mine[s] in present for s in sources if s in mine):  # a first difference
                 names.add(node.name)
                 names.update(sources)
-    return frozenset(n for n in names if not n.startswith(SCOPE))
+    return frozenset(n for n in names if not is_lms_node(n))
 
 
 def around(view, names, hops: int) -> frozenset:

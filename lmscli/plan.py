@@ -75,6 +75,10 @@ class Plan:
     grappler: dict = field(default_factory=dict)
     recomputes: tuple[PlannedRecompute, ...] = ()
     host_stacks: tuple[PlannedHostStack, ...] = ()
+    # Consumers read each swap-in through an Identity placed like the tensor's producer (see
+    # lmscli.rewriter); off for plans judged by Grappler's estimate, which counts that Identity's
+    # output as a second copy of the tensor (it forwards the buffer on a real executor).
+    read_on_gpu: bool = True
 
     @property
     def edits(self) -> tuple:
@@ -94,6 +98,8 @@ class Plan:
         data = asdict(self)
         if not self.host_stacks:
             del data["host_stacks"]  # (plans without them read as before)
+        if self.read_on_gpu:
+            del data["read_on_gpu"]  # (the default: only plans judged by Grappler's estimate say false)
         return {"schema": PLAN_SCHEMA, "version": PLAN_VERSION, **data}
 
     def to_json(self) -> str:
@@ -141,7 +147,7 @@ class Plan:
                 for h in data.get("host_stacks", ())
             )
             return cls(
-                recomputes=recomputes, host_stacks=host_stacks,
+                recomputes=recomputes, host_stacks=host_stacks, read_on_gpu=bool(data.get("read_on_gpu", True)),
                 model=data["model"], graph_sha256=data["graph_sha256"], fetches=tuple(data["fetches"]),
                 batch_size=data.get("batch_size"), device=dict(data.get("device", {})),
                 strategy=data.get("strategy", "manual"), parameters=dict(data.get("parameters", {})),

@@ -970,6 +970,7 @@ def _tune_on(prepared: Prepared, device: Device, options: TuneOptions, margin: i
         recomputes=recomputes,
         predicted=predicted(baseline, result, budget, recompute_flops(recomputes, prepared.view)),
         host_stacks=host_stacks_from(host_stacks, prepared.view, sched),
+        read_on_gpu=sched.memory_model == "executor",
     )
     return TuneResult(plan, baseline, result, budget, necessary, tuple(log), time_limited=limited)
 

@@ -4,10 +4,10 @@ For a tensor ``t`` produced by ``P`` with a near consumer ``A`` and far consumer
 
     before                         after
     P --t--> A                     P --t--> A
-    P --t--> B                     P --t--> lms/swapout/P_0 (Identity, host)
+    P --t--> B                     P --t--> P-lms-swapout-0 (Identity, host)
     P --t--> C                                  |
                                                 v
-                                   lms/swapin/P_0/0 (Identity, host) <- - - ^trigger
+                                   P-lms-swapin-0-0 (Identity, host) <- - - ^trigger
                                                 |
                                                 +--> B, C
 
@@ -19,20 +19,20 @@ allocating before a swap-out has finished. Serialized levels chain ops with cont
 A swap-in with a landing op ``L`` (stand-in plans) is read on the GPU through an Identity that
 ``L`` waits for, so the tensor lands before ``L`` allocates, in every run::
 
-    lms/swapin/P_0/0 (host) --> lms/landed/P_0/0 (Identity, GPU) --+--> B, C
+    P-lms-swapin-0-0 (host) --> P-lms-landed-0-0 (Identity, GPU) --+--> B, C
                                                                    + - - -> ^L
 
 A recomputation of ``t = R(Q(x))`` whose far consumer ``B`` runs late clones the chain::
 
     before                         after
     x --> Q --> R --t--> A         x --> Q --> R --t--> A
-                  --t--> B         x --> lms/recompute/R_0/0/gate --> .../Q --> .../R --> B
+                  --t--> B         x --> x-lms-recompute-gate-0-0 --> Q-lms-recompute-0 --> R-lms-recompute-0 --> B
                                                ^ - - - trigger
 
 The clones copy the originals' op and attributes (not ``_class``) and wait for the trigger, the
 latest op before ``B`` that ``B`` depends on, so they run just before ``B`` and ``t``'s buffer
 is free in between. They wait through an Identity *gate* on their first input (``x`` above
-reaches ``Q``'s clone through ``lms/recompute/R_0/0/gate``, which has the control edge): Grappler's
+reaches ``Q``'s clone through ``x-lms-recompute-gate-0-0``, which has the control edge): Grappler's
 remapper fuses no op with a control edge, and the clones must fuse as the originals do. Ops that
 update a variable the clones read wait for a ``done`` Identity of the last clone.
 
@@ -45,8 +45,9 @@ A gradient stack kept on the host (:mod:`lmscli.hoststacks`) is moved, not copie
     .../f_acc (StackV2, GPU)                 .../f_acc (StackV2, host)
     .../StackPopV2 --> TanhGrad              .../StackPopV2 (host) --> TanhGrad
 
-Inserted swap nodes live under ``lms/``, carry ``_grappler_do_not_remove`` and never a ``_class``
-colocation attribute. The result is validated (unique names, no dangling inputs, no cycles).
+Added nodes are named after the node they stand beside (:func:`beside`: ``P-lms-...``), carry
+``_grappler_do_not_remove`` (swap nodes) and never a ``_class`` colocation attribute. The result
+is validated (unique names, no dangling inputs, no cycles).
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ from lmscli.graphview import GraphView, gpu_key, parse_input
 from lmscli.plan import Plan
 from lmscli.timing import timed
 
-SCOPE = "lms/"
-RECOMPUTE_SCOPE = SCOPE + "recompute/"
+SCOPE = "lms/"  # where lms 0.x put its nodes (still recognised: has_lms_nodes, is_lms_node)
+MARK = "-lms-"  # an added node is named after the node it stands beside: P-lms-swapin-0-0
+RECOMPUTE = MARK + "recompute-"
 DEFAULT_HOST_DEVICE = "/device:CPU:0"
 
 
@@ -82,9 +84,10 @@ class RewriteReport:
 
         line = (f"Added {len(self.added_nodes)} operations to the model ({self.swap_outs} swap-out "
                 f"operations ({format_size(self.swap_out_bytes)}) and {self.swap_ins} swap-in operations "
-                f"({format_size(self.swap_in_bytes)})")
+                f"({format_size(self.swap_in_bytes)})" + (", each read on the GPU through an Identity" if self.swap_ins
+                                                          else ""))
         if self.recomputes:
-            others = len(self.added_nodes) - self.swap_outs - self.swap_ins - self.clones
+            others = len(self.added_nodes) - self.swap_outs - 2 * self.swap_ins - self.clones
             line += (f", {self.clones} cloned operations and {others} Identity nodes recomputing "
                      f"{format_size(self.recompute_bytes)} in {self.recomputes} place(s)")
         line += ")"
@@ -94,12 +97,28 @@ class RewriteReport:
         return line
 
 
+def is_lms_node(name: str) -> bool:
+    """Whether ``name`` is a node lms added (swap, landing, recompute clone, gate)."""
+    return MARK in name or name.startswith(SCOPE)
+
+
 def has_lms_nodes(graph_def) -> bool:
-    return any(node.name.startswith(SCOPE) for node in graph_def.node)
+    return any(is_lms_node(node.name) for node in graph_def.node)
 
 
-def _safe(name: str) -> str:
-    return name.replace("/", "_").replace(":", "_")
+def beside(name: str, kind: str) -> str:
+    """The name of a node lms adds for node ``name``: ``name`` + ``-lms-`` + ``kind``. It sorts
+    right after ``name`` among every other input name (no TensorFlow name has ``name-`` followed by
+    something before ``lms``), and that matters: Grappler sorts the inputs of commutative ops by
+    name, and its constant push-down then picks an operand by position, so a swap-in named
+    ``lms/swapin/...`` (sorting after ``gradients/...``) regrouped a product's factors and changed
+    its last bits (QA: the softmax gradient of every attention block was left unswapped)::
+
+        Mul(sub, enc0/Softmax) * c     -> sub * (c * enc0/Softmax)                (original)
+        Mul(sub, lms/swapin/...) * c   -> lms/swapin/... * (c * sub)              (differs)
+        Mul(sub, enc0/Softmax-lms-swapin-0-0) * c -> sub * (c * enc0/Softmax-...) (same)
+    """
+    return f"{name}{MARK}{kind}"
 
 
 def host_for(producer_device: str, host_device: str) -> str:
@@ -128,7 +147,7 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
     from tensorflow.core.framework import attr_value_pb2
 
     if has_lms_nodes(meta_graph.graph_def) and not force:
-        raise GraphError("the graph already contains lms/ swap nodes (it was rewritten before); "
+        raise GraphError("the graph already contains lms swap nodes (it was rewritten before); "
                          "pass --force to rewrite it again")
     out = type(meta_graph)()
     out.CopyFrom(meta_graph)
@@ -174,13 +193,13 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
         dtype = dtypes.get((producer, output))
         if dtype is None:
             raise PlanError(f"cannot tell the dtype of {swap.tensor!r}")
-        swapout = unique(f"{SCOPE}swapout/{_safe(producer)}_{output}")
+        swapout = unique(beside(producer, f"swapout-{output}"))
         host = host_for(nodes[producer].device, host_device)
         add_identity(swapout, _tensor_ref(producer, output), dtype, host)
         out_bytes += swap.bytes
         refs = {_tensor_ref(producer, output), f"{producer}:{output}"}
         for g, group in enumerate(swap.swap_ins):
-            swapin = unique(f"{SCOPE}swapin/{_safe(producer)}_{output}/{g}")
+            swapin = unique(beside(producer, f"swapin-{output}-{g}"))
             swapins[(producer, output, g)] = swapin
             node = add_identity(swapin, swapout, dtype, host)
             if group.trigger not in nodes:
@@ -189,10 +208,15 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
             control_edges += 1
             n_in += 1
             in_bytes += swap.bytes
-            if group.landing:  # read on the GPU through an Identity the landing op waits for
-                landed = unique(f"{SCOPE}landed/{_safe(producer)}_{output}/{g}")
+            # Consumers read the tensor on the GPU through an Identity placed like its producer:
+            # Grappler's constant push-down leaves alone products whose factors sit on another
+            # device than the product, so a consumer reading the host swap-in directly got a
+            # differently grouped (and rounded) product (QA: the GELU gradient of an encoder).
+            if plan.read_on_gpu or group.landing:
+                landed = unique(beside(producer, f"landed-{output}-{g}"))
                 add_identity(landed, swapin, dtype, nodes[producer].device)
-                add_control(group.landing, landed)
+                if group.landing:  # the landing op waits for it: the tensor lands before it allocates
+                    add_control(group.landing, landed)
                 swapins[(producer, output, g)] = swapin = landed
             _rewire(nodes, group.consumers, refs, swapin, swap.tensor)
         waiters = list(swap.near) if swap.sync_out else []
@@ -219,14 +243,13 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
         for g, group in enumerate(rec.groups):
             if group.trigger not in nodes:
                 raise PlanError(f"the plan's trigger {group.trigger!r} is not in the graph")
-            prefix = f"{RECOMPUTE_SCOPE}{_safe(producer)}_{output}/{g}/"
-
-            def gate(src: str, port: int, prefix=prefix, trigger=group.trigger, producer=producer) -> str:
+            def gate(src: str, port: int, near: str, g=g, trigger=group.trigger, producer=producer) -> str:
                 dtype = dtypes.get((src, port)) or _swapin_dtype(src)
                 if dtype is None:
                     raise PlanError(f"cannot tell the dtype of {src}:{port}")
                 device = nodes[src].device if src in nodes else nodes[producer].device
-                node = add_identity(unique(f"{prefix}gate"), _tensor_ref(src, port), dtype, device)
+                node = add_identity(unique(beside(near, f"recompute-gate-{port}-{g}")), _tensor_ref(src, port), dtype,
+                                    device)
                 node.input.append("^" + trigger)
                 gates.append(node.name)
                 return node.name
@@ -242,7 +265,7 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
             def source(src: str, port: int, read_from=read_from) -> tuple[str, int]:
                 return (read_from[(src, port)], 0) if (src, port) in read_from else (src, port)
 
-            clones = _clone_chain(graph, nodes, rec.ops, prefix, unique, gate, source)
+            clones = _clone_chain(graph, nodes, rec.ops, f"recompute-{g}", unique, gate, source)
             added.extend(clones.values())
             n_clones += len(clones)
             n_re += 1
@@ -250,7 +273,8 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
             made = _tensor_ref(clones[producer], output)
             if rec.waiters:  # variable updates wait until the clones have read the variable
                 dtype = dtypes.get((producer, output))
-                done = add_identity(unique(f"{prefix}done"), _tensor_ref(clones[producer], output), dtype,
+                done = add_identity(unique(beside(producer, f"recompute-done-{output}-{g}")),
+                                    _tensor_ref(clones[producer], output), dtype,
                                     nodes[producer].device)
                 for waiter in rec.waiters:
                     add_control(waiter, done.name)
@@ -340,11 +364,11 @@ def _rewire(nodes: dict, consumers, refs: set, new: str, tensor: str) -> None:
             raise PlanError(f"{consumer!r} does not read {tensor!r}; the plan does not match the graph")
 
 
-def _clone_chain(graph, nodes: dict, ops, prefix: str, unique, gate, source) -> dict[str, str]:
+def _clone_chain(graph, nodes: dict, ops, kind: str, unique, gate, source) -> dict[str, str]:
     """Add clones of ``ops`` (inputs first) reading each other where the originals do and
     everything else where the originals read it (or where ``source`` says it is now, a swap-in);
     original name -> clone name. A clone reading no
-    other clone reads its first input through ``gate(input)`` (an Identity waiting for the
+    other clone reads its first input through ``gate(input, port, original)`` (an Identity waiting for the
     trigger), so the chain waits for the trigger without a control edge of its own: Grappler's
     remapper does not fuse ops with control edges, and the clones must fuse as the originals do."""
     clones: dict[str, str] = {}
@@ -352,7 +376,7 @@ def _clone_chain(graph, nodes: dict, ops, prefix: str, unique, gate, source) -> 
         original = nodes[name]
         clone = graph.node.add()
         clone.CopyFrom(original)
-        clone.name = unique(prefix + _safe(name))
+        clone.name = unique(beside(name, kind))
         if "_class" in clone.attr:
             del clone.attr["_class"]
         del clone.input[:]
@@ -362,7 +386,7 @@ def _clone_chain(graph, nodes: dict, ops, prefix: str, unique, gate, source) -> 
             if src in clones:
                 clone.input.append(_tensor_ref(clones[src], output))
             elif gated and k == 0:
-                clone.input.append(gate(*source(src, output)))
+                clone.input.append(gate(*source(src, output), src))
             else:
                 clone.input.append(_tensor_ref(*source(src, output)))
         clone.input.extend(text for text in original.input if text.startswith("^"))  # what the original waited for

@@ -207,8 +207,8 @@ def test_ops_grappler_prunes_as_unused_leave_the_schedule(tmp_path):
     run = pruned.run_peak_bytes
     assert as_written > 1.2 * run  # the dead gradients' inputs live into the backward pass
     assert abs(peak - run) <= 0.02 * run
-    device = api.make_device(gpu_mem=int(0.7 * run), reserve=0.0)
-    with pytest.raises(NoFitError):  # the dead readers keep 70% out of reach
+    device = api.make_device(gpu_mem=int(0.5 * run), reserve=0.0)
+    with pytest.raises(NoFitError):  # the dead readers keep 50% out of reach
         api.tune(written, device)
     result = api.tune(pruned, device)
     assert result.fits and result.plan.swaps

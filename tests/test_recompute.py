@@ -13,6 +13,7 @@ import pytest
 
 from lmscli import api
 from lmscli.planner import TuneOptions
+from lmscli.rewriter import is_lms_node
 from lmscli.simulator import SimSwap, SwapIn, simulate
 from tests.conftest import invoke
 
@@ -143,11 +144,11 @@ def test_a_recompute_only_plan_trains_bit_identically(tmp_path, resource):
     assert plan.predicted["run_peak_bytes"] <= device.budget
     assert plan.predicted["recompute_time_s"] > 0 and plan.predicted["swap_out_bytes"] == 0
     new_graph, report = api.rewrite(prepared, plan)
-    added = [n for n in new_graph.graph_def.node if n.name.startswith("lms/recompute/")]
+    added = [n for n in new_graph.graph_def.node if is_lms_node(n.name)]  # (no swaps in this plan)
     clones = [n for n in added if n.op != "Identity"]
     assert report.recomputes == sum(len(r.groups) for r in plan.recomputes)
     assert len(clones) == report.clones == sum(len(r.ops) * len(r.groups) for r in plan.recomputes)
-    gates = [n for n in added if n.name.endswith("/gate")]
+    gates = [n for n in added if "-lms-recompute-gate-" in n.name]
     assert len(gates) == report.recomputes and all(n.input[-1].startswith("^") for n in gates)
     assert all(not i.startswith("^") for n in clones for i in n.input)  # the gates wait, so the clones fuse
     assert not any(n.op.startswith("Random") for n in clones)
@@ -156,7 +157,7 @@ def test_a_recompute_only_plan_trains_bit_identically(tmp_path, resource):
     nodes = {n.name: n for n in new_graph.graph_def.node}
     for r in plan.recomputes:  # every variable update waits for the clones that read the variable
         for w in r.waiters:
-            assert any(i.startswith("^lms/recompute/") and i.endswith("/done") for i in nodes[w].input)
+            assert any(i.startswith("^") and "-lms-recompute-done-" in i for i in nodes[w].input)
     assert writers or not any(("bn" in op) for r in plan.recomputes for op in r.ops)
     _identical(model, new_graph)
 
@@ -303,8 +304,8 @@ def test_recomputations_read_sources_brought_back_by_a_swap_in(tmp_path):
     assert hybrid.result.step_time < swap.result.step_time
     assert hybrid.plan.swap_out_bytes < swap.plan.swap_out_bytes
     new_graph, _ = api.rewrite(prepared, hybrid.plan)
-    gates = [n for n in new_graph.graph_def.node if n.name.endswith("/gate")]
-    assert any(n.input[0].startswith("lms/swapin/") for n in gates)
+    gates = [n for n in new_graph.graph_def.node if "-lms-recompute-gate-" in n.name]
+    assert any("-lms-landed-" in n.input[0] for n in gates)  # read through the swap-in's GPU Identity
     _identical(model, new_graph)
 
 

@@ -7,6 +7,7 @@ from lmscli import api, grappler, loader, rewriter
 from lmscli.prove import steps
 from lmscli.errors import GraphError, NoFitError, PlanError
 from lmscli.planner import TflmsParams, TuneOptions
+from lmscli.rewriter import is_lms_node
 from lmscli.tfimport import tensorflow
 from tests.conftest import TRAINING_SAMPLES, invoke
 
@@ -76,9 +77,11 @@ def test_every_sample_at_standard_budgets(samples, name, tmp_path):
         graph = tf.Graph()
         with graph.as_default():
             tf.compat.v1.train.import_meta_graph(str(out))
-        swap_ops = [op for op in graph.get_operations()
-                    if op.name.startswith("lms/") and not op.name.startswith("lms/recompute/")]
+        swap_ops = [op for op in graph.get_operations() if "-lms-swapout-" in op.name or "-lms-swapin-" in op.name]
         assert len(swap_ops) == report.swap_outs + report.swap_ins
+        landed = {op.name.split("-lms-landed-")[0]: op for op in graph.get_operations() if "-lms-landed-" in op.name}
+        assert len(landed.values()) <= report.swap_ins  # each swap-in read through an Identity placed like its producer
+        assert all(op.device == graph.get_operation_by_name(name).device for name, op in landed.items())
         assert all(op.device.endswith("CPU:0") for op in swap_ops)
         assert all(not op.node_def.attr["_class"].list.s for op in swap_ops)
         assert all(op.node_def.attr["_grappler_do_not_remove"].b for op in swap_ops)
@@ -91,7 +94,7 @@ def test_every_sample_at_standard_budgets(samples, name, tmp_path):
         assert steps.first_difference(before, after) is None
         assert before.losses and before.variables
         assert all(device.endswith("CPU:0") for name, device in after.placements.items()
-                   if not name.startswith("lms/recompute/"))  # swap nodes on the host; clones where their originals run
+                   if "-lms-swap" in name)  # swap nodes on the host
 
         # Grappler's estimate is recorded beside the plan, per GPU.
         assert set(result.plan.grappler.get("per_device", {prepared.schedule.device: 0})) == set(prepared.devices)
@@ -203,7 +206,7 @@ def test_refuses_rewritten_graphs_and_the_input(samples, runner, tmp_path):
     out = tmp_path / "once.meta"
     assert invoke(runner, "rewrite", samples / "cnn.meta", out, "--gpu-mem", "75%", "--reserve", "0", "-q").exit_code == 0
     again = invoke(runner, "rewrite", out, tmp_path / "twice.meta", "--gpu-mem", "75%", "--reserve", "0")
-    assert again.exit_code == 1 and "already contains lms/" in again.stderr
+    assert again.exit_code == 1 and "already contains lms swap nodes" in again.stderr
     forced = invoke(runner, "rewrite", out, tmp_path / "twice.meta", "--swapout-threshold", "1", "--force", "-q")
     assert forced.exit_code == 0
     same = invoke(runner, "rewrite", out, out, "--gpu-mem", "1GiB")
@@ -309,7 +312,7 @@ def test_gelu_attention_style_net_stays_bit_identical_under_grappler(tmp_path):
 
 def test_everything_else_is_preserved(samples, tmp_path):
     """Collections, variables, the saver, signatures, the function library, attributes and devices
-    survive the rewrite; original nodes change only by reading a swap-in or waiting for lms/ nodes."""
+    survive the rewrite; original nodes change only by reading a swap-in or waiting for lms nodes."""
     model = api.load(str(samples / "mlp_savedmodel"), tag="train")
     prepared = api.prepare(model)
     result = api.tune(prepared, api.make_device(gpu_mem="16GiB"),
@@ -325,11 +328,12 @@ def test_everything_else_is_preserved(samples, tmp_path):
     for node in old.graph_def.node:
         new = new_nodes[node.name]
         assert (new.op, new.device, dict(new.attr)) == (node.op, node.device, dict(node.attr)), node.name
-        kept = [i for i in new.input if not i.lstrip("^").startswith("lms/")]
+        kept = [i for i in new.input if not is_lms_node(i.lstrip("^"))]
         rewired = [i for i in node.input if i not in kept]
         assert all(i in node.input for i in kept)
         assert len(new.input) - len(kept) >= len(rewired)
-    assert len(new_nodes) == len(old.graph_def.node) + result.plan.predicted["swap_outs"] + result.plan.predicted["swap_ins"]
+    # a swap-out, and per swap-in the host copy and its Identity on the GPU
+    assert len(new_nodes) == len(old.graph_def.node) + result.plan.predicted["swap_outs"] + 2 * result.plan.predicted["swap_ins"]
 
 
 def test_below_the_bound_of_the_original_order_grapplers_order_may_fit(samples):
@@ -402,7 +406,7 @@ def test_functional_ifs_are_lowered_swapped_inside_and_stay_identical(tmp_path):
 
 def test_a_landing_op_waits_for_its_swap_in_and_training_stays_identical(samples, tmp_path):
     """Stand-in plans give each swap-in a landing op: the consumers read the swap-in through an
-    Identity on the GPU (``lms/landed/...``) that the landing op waits for. The field survives the
+    Identity on the GPU (``P-lms-landed-0-0``) that the landing op waits for. The field survives the
     plan's JSON, and the rewrite trains bit-identically."""
     from dataclasses import replace
 
@@ -420,16 +424,16 @@ def test_a_landing_op_waits_for_its_swap_in_and_training_stays_identical(samples
     assert landings, "no swap-in of the plan had room for a landing op"
     new_graph, _report = api.rewrite(prepared, plan)
     nodes = {n.name: n for n in new_graph.graph_def.node}
-    landed = [n for n in nodes.values() if n.name.startswith("lms/landed/")]
-    assert len(landed) == len(landings)
+    landed = [n for n in nodes.values() if "-lms-landed-" in n.name]
+    assert len(landed) == sum(len(s.swap_ins) for s in plan.swaps)  # every swap-in is read through one
     for node in landed:
-        assert node.op == "Identity" and node.input[0].startswith("lms/swapin/")
+        assert node.op == "Identity" and "-lms-swapin-" in node.input[0]
         producer = nodes[node.input[0]].input[0].split(":")[0]
         assert node.device == nodes[nodes[producer].input[0].split(":")[0]].device  # the producer's device
     for _swap, group in landings:
-        assert any(i.startswith("^lms/landed/") for i in nodes[group.landing].input)
+        assert any(i.startswith("^") and "-lms-landed-" in i for i in nodes[group.landing].input)
         for consumer in group.consumers:
-            assert any(i.split(":")[0].startswith("lms/landed/") for i in nodes[consumer].input)
+            assert any("-lms-landed-" in i.split(":")[0] for i in nodes[consumer].input)
     out = tmp_path / "landed.meta"
     api.save(model, new_graph, str(out))
     original = api.with_graph_def(model.meta_graph, prepared.graph_def)
@@ -443,13 +447,14 @@ def test_a_rewrite_grappler_refuses_is_a_guard_failure(samples, monkeypatch):
     guard names the swaps responsible, found by halving, rather than taking the failure as "no
     change". Here Grappler is made to fail on any rewrite that swaps one chosen tensor."""
     from lmscli import grappler
-    from lmscli.rewriter import SCOPE
+    from lmscli.rewriter import beside
 
     model, prepared, result = _plan(samples, "cnn", "mid")
     swaps = result.plan.swaps
     assert len(swaps) >= 2
     chosen = swaps[-1].tensor
-    marker = f"{SCOPE}swapout/{chosen.replace('/', '_').replace(':', '_')}"
+    producer, _, output = chosen.partition(":")
+    marker = beside(producer, f"swapout-{output or 0}")
     real = grappler.optimize
 
     def refusing(meta, fetches):
@@ -461,3 +466,53 @@ def test_a_rewrite_grappler_refuses_is_a_guard_failure(samples, monkeypatch):
     rewritten, _ = api.rewrite(prepared, result.plan)
     tensors, _ops = api.optimizer_culprits(prepared, result.plan, rewritten)
     assert chosen in tensors and len(tensors) < len(swaps)
+
+
+def _attention_block(path):
+    """A small self-attention block with a GELU feed-forward layer, trained by Adam: the softmax
+    gradient multiplies the softmax output by a constant (the 1/sqrt(d) of the scores), and the
+    GELU gradient the Erfc output, products Grappler's constant push-down regroups."""
+    from lmscli.tfimport import tensorflow
+
+    tf = tensorflow()
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [4, 64, 32], name="x")
+
+        def var(name, shape, seed):
+            return v1.get_variable(name, shape, initializer=v1.truncated_normal_initializer(0, 0.2, seed=seed),
+                                   use_resource=True)
+
+        with v1.variable_scope("attn"):
+            q, k, v = (tf.einsum("btd,de->bte", x, var(n, [32, 32], s)) for s, n in enumerate("qkv"))
+            probs = tf.nn.softmax(tf.matmul(q, k, transpose_b=True) / 32 ** 0.5)
+            h = tf.matmul(probs, v) + x
+        with v1.variable_scope("ffn"):
+            h = tf.nn.gelu(tf.einsum("btd,de->bte", h, var("w1", [32, 64], 5)), approximate=False)
+            h = tf.einsum("btd,de->bte", h, var("w2", [64, 32], 6))
+        loss = tf.identity(tf.reduce_mean(tf.square(h)), name="loss")
+        v1.add_to_collection("train_op", v1.train.AdamOptimizer(0.01).minimize(loss))
+        v1.train.export_meta_graph(str(path), graph=graph)
+    return path
+
+
+def test_swaps_of_softmax_and_gelu_outputs_keep_grapplers_optimizations(tmp_path):
+    """Grappler sorts a commutative op's inputs by name, then pushes constants down a product by
+    position, and only between factors placed on its own device. A swap-in named ``lms/...`` and
+    read on the host regrouped ``(g - s) * softmax * c`` and the GELU gradient, so the guard left
+    those tensors on the GPU (QA: no plan at 60 of 96 MiB on an attention encoder). Named beside
+    their producers and read through an Identity on its device, the swaps change nothing Grappler
+    does, and the step trains bit-identically."""
+    path = _attention_block(tmp_path / "attention.meta")
+    model = api.load(str(path))
+    prepared = api.prepare(model)
+    options = TuneOptions(strategy="tflms", tflms=TflmsParams(1, 1, 0, 1),  # swap every one of them
+                          filters=api.Filters(include_types=("Softmax", "Erfc")))
+    result = api.tune(prepared, api.make_device(gpu_mem="1GiB"), options, check=False, guard=False)
+    swapped = {s.tensor.split(":")[0].rsplit("/", 1)[-1] for s in result.plan.swaps}
+    assert {"Softmax", "Erfc"} <= swapped, swapped
+    rewritten, _ = api.rewrite(prepared, result.plan)
+    assert api.optimizer_culprits(prepared, result.plan, rewritten) == ((), ())
+    before = steps.run_steps(model.meta_graph, model.fetches, steps=2)
+    assert steps.first_difference(before, steps.run_steps(rewritten, model.fetches, steps=2)) is None

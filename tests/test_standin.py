@@ -4,8 +4,8 @@ The toy step keeps three 30 MiB tensors live at once: ``a = tile(x)``, ``b = rev
 ``c = reverse(b)``, then the far consumer ``m = a * c`` (and a small trained variable that needs
 ``sum(m)``). Measured here: it needs 91 MiB on the stand-in; with ``a`` swapped to the host 61 MiB.
 
-The hand-made swap is the pair lms emits: ``lms/swapout/a`` (Identity on ``/device:CPU:0`` reading
-``a``), ``lms/swapin/a`` (Identity on ``/device:CPU:0`` reading the swap-out, with a control edge
+The hand-made swap is the pair lms emits: ``a-lms-swapout-0`` (Identity on ``/device:CPU:0`` reading
+``a``), ``a-lms-swapin-0-0`` (Identity on ``/device:CPU:0`` reading the swap-out, with a control edge
 from ``c``, the op just before the far consumer) rewired into ``m``, and a waiter (a control edge
 from the swap-out to ``c``) so that ``c`` allocates only after ``a`` has left. Without the waiter
 the transfer was still under way when ``c`` allocated, and the pair saved nothing (3 runs of 3).
@@ -30,7 +30,7 @@ from lmscli.tfimport import tensorflow
 from tests.conftest import ROOT
 
 TENSOR_MIB = 30
-SWAPPED = {"lms/swapout/a", "lms/swapin/a"}
+SWAPPED = {"a-lms-swapout-0", "a-lms-swapin-0-0"}
 
 
 def toy(swap: str | None = None):
@@ -65,18 +65,18 @@ def _swap_a(meta, variant: str) -> None:
     dtype = nodes["a"].attr["T"].type
     grappler = variant == "grappler"
     device = "/device:GPU:0" if grappler else "/device:CPU:0"
-    out = meta.graph_def.node.add(name="lms/swapout/a", op="_CopyFromGpuToHost" if grappler else "Identity",
+    out = meta.graph_def.node.add(name="a-lms-swapout-0", op="_CopyFromGpuToHost" if grappler else "Identity",
                                   device=device, input=["a"])
-    back = meta.graph_def.node.add(name="lms/swapin/a", op="_CopyFromHostToGpu" if grappler else "Identity",
-                                   device=device, input=["lms/swapout/a", "^c"])
+    back = meta.graph_def.node.add(name="a-lms-swapin-0-0", op="_CopyFromHostToGpu" if grappler else "Identity",
+                                   device=device, input=["a-lms-swapout-0", "^c"])
     for node in (out, back):
         node.attr["T"].type = dtype
         node.attr["_grappler_do_not_remove"].b = True
         if variant == "colocated":
             node.attr["_class"].CopyFrom(attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(s=[b"loc:@a"])))
-    nodes["c"].input.append("^lms/swapout/a")
+    nodes["c"].input.append("^a-lms-swapout-0")
     m = nodes["m"]
-    m.input[list(m.input).index("a")] = "lms/swapin/a"
+    m.input[list(m.input).index("a")] = "a-lms-swapin-0-0"
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +125,8 @@ def test_grappler_swap_kernels_move_the_tensor_out(standin, reference):
     """Grappler's swap-out kernel's output lives in host memory: it runs as Identity on the host."""
     swapped = standin.run(toy("grappler"), ["train"], 75 * MIB, runs=1)
     assert swapped.fits and steps.compare(swapped.result, reference) is None
-    assert swapped.result.placements["lms/swapout/a"] == HOST_DEVICE
-    assert swapped.result.placements["lms/swapin/a"] != HOST_DEVICE
+    assert swapped.result.placements["a-lms-swapout-0"] == HOST_DEVICE
+    assert swapped.result.placements["a-lms-swapin-0-0"] != HOST_DEVICE
 
 
 @pytest.mark.slow

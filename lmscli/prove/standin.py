@@ -57,6 +57,7 @@ import numpy as np
 from lmscli import timing
 from lmscli.errors import InputError, LmsError
 from lmscli.prove._server import FIRST_REGION, is_child, kill_child
+from lmscli.rewriter import is_lms_node
 from lmscli.tfimport import tensorflow
 from lmscli.prove.steps import (GPU_COPY_OPS, StepRun, _check_cpu_kernels, compare, default_loss, failed_run, feeds,
                                 import_graph, map_gpu_ops)
@@ -661,7 +662,7 @@ class StandIn:
                 values = dict(zip(g.variable_names, sess.run(g.variables, options=options)))
         except tf.errors.OpError as exc:
             raise _RunFailed(exc, phase) from None
-        placements = {op.name: op.device for op in g.graph.get_operations() if op.name.startswith("lms/")}
+        placements = {op.name: op.device for op in g.graph.get_operations() if is_lms_node(op.name)}
         return StepRun(tuple(losses), values, placements, tuple(outputs))
 
     def _run_once(self, prep: _Prepared, limit_bytes: int | None, batch_size: int, steps: int,

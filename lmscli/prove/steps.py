@@ -19,6 +19,7 @@ import numpy as np
 
 from lmscli.errors import InputError, LmsError
 from lmscli.graphview import parse_input
+from lmscli.rewriter import is_lms_node
 from lmscli.tfimport import tensorflow
 
 GPU_STANDIN = "/device:CPU:1"
@@ -399,7 +400,7 @@ def run_steps(meta_graph, fetches, steps: int = 1, batch_size: int = 2, loss: st
                 if produced:
                     outputs.append({t.name: np.asarray(v) for t, v in zip(produced, out["outputs"])})
             values = dict(zip(g.variable_names, sess.run(g.variables)))
-        placements = {op.name: op.device for op in g.graph.get_operations() if op.name.startswith("lms/")}
+        placements = {op.name: op.device for op in g.graph.get_operations() if is_lms_node(op.name)}
     except LmsError:
         raise
     except Exception as exc:

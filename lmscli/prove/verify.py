@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from lmscli.errors import EXIT_DIFFERENT, InputError, LmsError
 from lmscli.prove.steps import (GPU_COPY_OPS, SCHEMA_VERSION, Difference, _check_cpu_kernels, compare, default_loss,
                                 map_gpu_ops, place_on_cpu, rewrite_batch_size, run_steps)
-from lmscli.rewriter import RECOMPUTE_SCOPE
+from lmscli.rewriter import RECOMPUTE
 from lmscli.units import format_size
 
 
@@ -34,7 +34,7 @@ class GraphFigures:
     simulated_forwarding_peak_bytes: int | None = None  # simulated, forwarded buffers counted once
     variable_bytes: int | None = None  # declared variable storage (the simulator's resident variables)
     run_peak_bytes: int | None = None  # predicted for the graph TensorFlow runs (Grappler-optimized)
-    recompute_nodes: int = 0  # cloned ops that make tensors again (lms/recompute/)
+    recompute_nodes: int = 0  # nodes of recomputations: clones (``Q-lms-recompute-0``), gates, done
 
     def measured_vs_simulated(self) -> float | None:
         """measured / simulated peak (resident variables in both)."""
@@ -145,7 +145,7 @@ def _figures(model, fetches, batch_size, measure: bool, notes: list, label: str,
     figures = GraphFigures(measured, simulated, grappler_peak, len(placed.swap_outs) + len(placed.swap_ins),
                            forwarding_peak(schedule) + schedule.resident_bytes, schedule.variable_bytes,
                            prepared.run_peak_bytes,
-                           sum(1 for node in meta.graph_def.node if node.name.startswith(RECOMPUTE_SCOPE)))
+                           sum(1 for node in meta.graph_def.node if RECOMPUTE in node.name))
     return meta, figures
 
 
