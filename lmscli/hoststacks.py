@@ -22,8 +22,13 @@ effect nor a proof on the CPU stand-in can be planned for. Placement is uncondit
 the stand-in (its host is another process) and does not change a single computed bit.
 
 Not hosted: TensorFlow 2 loops' TensorList accumulators (a list is a value passed from iteration
-to iteration, copied whole when it changes device), TensorArrays, stacks inside cond branches, and
-stacks whose handle reaches other ops.
+to iteration, copied whole when it changes device), TensorArrays, stacks inside cond branches
+(also a cond inside the loop, whose ``Enter`` and ``Switch`` pass the handle to the pop), and
+stacks whose handle reaches other ops or passes through an op colocated with another (a resource
+handle's readers are placed with it, on the host, against their ``_class``: TensorFlow refuses
+to place that graph)::
+
+    f_acc (StackV2) --> Switch/Enter (_class: loc:@while/mul_2) --> Switch --> StackPopV2
 """
 
 from __future__ import annotations
@@ -91,13 +96,16 @@ def hostable(view: GraphView, leave_out=frozenset()) -> tuple[Hostable, ...]:
     found = []
     for stacks, num_bytes, copy_bytes, trips in units:
         users: set[int] = set()
+        passers: set[int] = set()
         for stack in stacks:
-            found_users = handle_users(view, stack) if view.ops[stack] in STACK_OPS else None
-            if found_users is None:
+            path = handle_path(view, stack) if view.ops[stack] in STACK_OPS else None
+            if path is None:
                 users = None
                 break
-            users.update(found_users)
-        if users is None:
+            users.update(path[0])
+            passers.update(path[1])
+        if users is None or any(view.ops[i] in ("Switch", "RefSwitch") or "_class" in view.node_defs[i].attr
+                                for i in passers):
             continue
         ops = tuple(sorted(stacks)) + tuple(sorted(users))
         if (any(tags[i] for i in ops) or any(view.on_host(i) for i in ops)
@@ -208,7 +216,14 @@ def _colocation_targets(view: GraphView) -> set[str]:
 def handle_users(view: GraphView, stack: int) -> tuple[int, ...] | None:
     """The ops that use ``stack``'s handle, through the ops that pass it on (Enter, Identity, ...);
     None when one of them is not a push, pop or close (it would have to move too)."""
-    users, seen, todo = set(), {stack}, [stack]
+    path = handle_path(view, stack)
+    return None if path is None else path[0]
+
+
+def handle_path(view: GraphView, stack: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """``(users, passers)``: the pushes, pops and closes of ``stack``'s handle, and the ops that pass
+    it on to them (Enter, Switch, Identity, ...); None when the handle reaches any other op."""
+    users, passers, seen, todo = set(), set(), {stack}, [stack]
     while todo:
         i = todo.pop()
         for dst, _port, _output in view.consumers[i]:
@@ -217,8 +232,9 @@ def handle_users(view: GraphView, stack: int) -> tuple[int, ...] | None:
             seen.add(dst)
             if view.ops[dst] in PASS_THROUGH:
                 todo.append(dst)
+                passers.add(dst)
             elif view.ops[dst] in HANDLE_USERS:
                 users.add(dst)
             else:
                 return None
-    return tuple(sorted(users))
+    return tuple(sorted(users)), tuple(sorted(passers))

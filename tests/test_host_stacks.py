@@ -237,3 +237,41 @@ def _sizes_match(view, top) -> None:
         if ":" in row["name"] and "kept across" not in row["name"]:
             node, output = row["name"].rsplit(":", 1)
             assert row["bytes"] == -(-view.tensor_bytes(view.index[node], int(output)) // 256) * 256, row
+
+
+def test_a_stack_popped_in_a_cond_inside_the_loop_stays_on_the_gpu(tmp_path):
+    """A v1 cond inside a loop body: the gradient pops the values its branch saved through an
+    ``Enter`` and a ``Switch`` colocated with the forward value; moved with the stack to the host,
+    they were placed against that colocation and TensorFlow refused the rewrite (QA: exit 0 from
+    ``lms rewrite``, then "Cannot colocate nodes" in verify). Those stacks stay; the others move,
+    and the rewrite trains bit-identically."""
+    from lmscli.prove import steps
+
+    path = tmp_path / "cond_loop.meta"
+    with v1_training_graph(path) as (tf, v1, graph):
+        x = v1.placeholder(tf.float32, [24, 16, 64], name="x")
+        y = v1.placeholder(tf.float32, [16, 64], name="y")
+        init = v1.glorot_uniform_initializer(seed=4)
+        w = v1.get_variable("W", [64, 64], initializer=init, use_resource=True)
+
+        def body(i, h):
+            z = tf.tanh(tf.matmul(h, w) + x[i])
+            return i + 1, v1.cond(tf.equal(i % 3, 0), lambda: tf.sigmoid(z) * z, lambda: z * 0.9)
+
+        _, h = v1.while_loop(lambda i, h: i < 24, body, [tf.constant(0), tf.zeros([16, 64])],
+                             parallel_iterations=1)
+        graph.loss = tf.reduce_mean(tf.square(h - y))
+    model = api.load(str(path))
+    prepared = api.prepare(model)
+    view = prepared.view
+    in_cond = [s for s in range(view.size) if view.ops[s] == "StackV2"
+               and any(view.ops[p] == "Switch" for p in hoststacks.handle_path(view, s)[1])]
+    assert in_cond, "the cond's gradient keeps no stack"
+    units = hoststacks.hostable(view)
+    assert units and not {s for u in units for s in u.stacks} & set(in_cond)
+    a = api.analyze(prepared)
+    result = api.tune(prepared, api.make_device(gpu_mem=(a.lower_bound_bytes + a.peak_bytes) // 2, reserve=0.0))
+    assert result.plan.host_stacks
+    rewritten, _ = api.rewrite(prepared, result.plan)
+    before = steps.run_steps(model.meta_graph, model.fetches, steps=2)
+    assert steps.first_difference(before, steps.run_steps(rewritten, model.fetches, steps=2)) is None
