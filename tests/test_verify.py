@@ -360,3 +360,23 @@ def test_a_rewrite_made_for_a_batch_size_is_verified_at_it(samples, tmp_path, ru
     assert json.loads(checked.stdout)["identical"]
     wrong = invoke(runner, "verify", samples / "unknown_batch.meta", out, "--batch-size", "4")
     assert wrong.exit_code == 1 and "made for batch size 8" in wrong.output
+
+
+def test_an_unused_placeholder_of_unknown_size_needs_no_batch_size(tmp_path):
+    """A Keras functional model's graph keeps its ``Input`` placeholder (batch dimension unknown)
+    beside the one the training step feeds; verify asked for --batch-size for it (QA: tf_keras
+    MobileNetV2). Only the placeholders the step runs need a size."""
+    tf = tensorflow()
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.placeholder(tf.float32, [None, 8], name="input_1")  # nothing reads it
+        x = v1.placeholder(tf.float32, [4, 8], name="x")
+        w = v1.get_variable("w", [8, 2], initializer=v1.glorot_uniform_initializer(seed=1))
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w)), name="loss")
+        v1.add_to_collection("train_op", v1.train.GradientDescentOptimizer(0.1).minimize(loss))
+        path = tmp_path / "unused_input.meta"
+        v1.train.export_meta_graph(str(path), graph=graph)
+    result = _run(path, path, "--no-measure", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["identical"] is True

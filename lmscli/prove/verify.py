@@ -111,7 +111,9 @@ def _figures(model, fetches, batch_size, measure: bool, notes: list, label: str,
     _check_cpu_kernels(meta.graph_def)
     model = api.Model(model.path, model.format, meta, tuple(fetches), model.fetch_source, list(model.notes))
     prepared = api.prepare(model, batch_size=batch_size, prune_dead=False)  # measured as written: Grappler off
-    unknown = _unknown_placeholders(prepared.graph_def)
+    # Only what the step runs: a Keras model's unused Input placeholder needs no size (QA).
+    runs = {name for sched in (prepared.schedules or (prepared.schedule,)) for name in sched.names}
+    unknown = [name for name in _unknown_placeholders(prepared.graph_def) if name in runs]
     if unknown:
         raise InputError(f"{model.path}: placeholder {unknown[0]} has an unknown dimension; pass --batch-size N")
     meta = api.with_graph_def(model.meta_graph, prepared.graph_def)
