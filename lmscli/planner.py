@@ -418,6 +418,10 @@ TFLMS_SEARCH_MAX_OPS = 8_000  # above this, the default strategy does not also r
 TRIGGER_VISITS = 400  # ancestors visited exactly before falling back to the predecessor chain
 RESIMULATE_EVERY = 64  # greedy steps between full re-simulations
 STALL_JUDGEMENTS = 8  # full re-simulations without less total excess before giving up
+# A hybrid run that makes again every tensor it can (swapping only the others): each greedy choice
+# is the cheapest for its tensor alone, and on a slow link a plan of many small swaps can cost more
+# than one that recomputes them all (QA: an encoder's GELU and layer-norm outputs, PCIe 3).
+PREFER_RECOMPUTE = "prefer-recompute"
 STEP_TOLERANCE = 0.0  # hybrid: plans this much slower than the shortest step still count as fast (then: fewest bytes)
 
 
@@ -589,6 +593,8 @@ def _ranked_choices(ctx: _Context, chosen: dict, p: int, judged: _Judged, clippe
                 options.append(choice)
         options = [c for c in options if all(_helps_instantly(ctx, x.swap, p, judged.instant)
                                              for x in (c,) + c.companions)]
+        if PREFER_RECOMPUTE in modes and any(c.recipe is not None for c in options):
+            options = [c for c in options if c.recipe is not None]
         if not options:
             continue
         choice = min(options, key=lambda c: (c.cost, c.recipe is not None))
@@ -1048,13 +1054,14 @@ def _best_plan(ctx: _Context, budget_act: int, baseline: SimResult, log: list[st
     ``swap``: the greedy swap plan, with TFLMS's search as a second candidate; of the plans that
     fit, the one that swaps the fewest bytes (then: the shortest step). ``recompute``: the greedy
     plan with recomputations only. ``hybrid``: the greedy plan choosing per tensor, with the
-    recompute-only plan, the swap plans, and the swap plans with some swaps made recomputations
-    (:func:`_with_recomputations`) as further candidates; of those that fit, the shortest
+    recompute-only plan, the greedy plan recomputing every tensor it can
+    (:data:`PREFER_RECOMPUTE`), the swap plans, and the swap plans with some swaps made
+    recomputations (:func:`_with_recomputations`) as further candidates; of those that fit, the shortest
     predicted step on the device's link wins (then: the fewest bytes moved or made again), so the
     hybrid is never slower than either pure plan and reaches every budget the swap plans reach."""
     strategy = strategy_name(options.strategy)
     runs = {"swap": [("swap",)], "recompute": [("recompute",)],
-            "hybrid": [("swap", "recompute"), ("recompute",), ("swap",)]}[strategy]
+            "hybrid": [("swap", "recompute"), ("recompute",), ("swap",), ("swap", "recompute", PREFER_RECOMPUTE)]}[strategy]
     if strategy == "hybrid" and not ctx.recipes:  # nothing can be made again: the swap plans alone
         runs = [("swap",)]
     found = []  # (label, swaps, result, parameters, log lines), in the order they were made
