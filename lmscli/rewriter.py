@@ -78,16 +78,17 @@ class RewriteReport:
     clones: int = 0  # cloned ops (the rest of the recomputation's nodes are Identity gates)
     host_stacks: int = 0  # gradient stacks moved to the host
     host_stack_bytes: int = 0
+    landed: int = 0  # swap-ins read on the GPU through an Identity placed like the producer
 
     def summary(self) -> str:
         from lmscli.units import format_size
 
         line = (f"Added {len(self.added_nodes)} operations to the model ({self.swap_outs} swap-out "
                 f"operations ({format_size(self.swap_out_bytes)}) and {self.swap_ins} swap-in operations "
-                f"({format_size(self.swap_in_bytes)})" + (", each read on the GPU through an Identity" if self.swap_ins
-                                                          else ""))
+                f"({format_size(self.swap_in_bytes)})" + (", each read on the GPU through an Identity"
+                                                          if self.landed and self.landed == self.swap_ins else ""))
         if self.recomputes:
-            others = len(self.added_nodes) - self.swap_outs - 2 * self.swap_ins - self.clones
+            others = len(self.added_nodes) - self.swap_outs - self.swap_ins - self.landed - self.clones
             line += (f", {self.clones} cloned operations and {others} Identity nodes recomputing "
                      f"{format_size(self.recompute_bytes)} in {self.recomputes} place(s)")
         line += ")"
@@ -108,9 +109,10 @@ def has_lms_nodes(graph_def) -> bool:
 
 def beside(name: str, kind: str) -> str:
     """The name of a node lms adds for node ``name``: ``name`` + ``-lms-`` + ``kind``. It sorts
-    right after ``name`` among every other input name (no TensorFlow name has ``name-`` followed by
-    something before ``lms``), and that matters: Grappler sorts the inputs of commutative ops by
-    name, and its constant push-down then picks an operand by position, so a swap-in named
+    right after ``name`` among the other input names (only a name ``name-`` followed by something
+    before ``lms`` would come between, which TensorFlow's own naming never makes), and that
+    matters: Grappler sorts the inputs of commutative ops by name, and its constant push-down
+    then picks an operand by position, so a swap-in named
     ``lms/swapin/...`` (sorting after ``gradients/...``) regrouped a product's factors and changed
     its last bits (QA: the softmax gradient of every attention block was left unswapped)::
 
@@ -184,7 +186,7 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
             node.input.append(ref)
             control_edges += 1
 
-    out_bytes = in_bytes = n_in = 0
+    out_bytes = in_bytes = n_in = n_landed = 0
     swapins: dict[tuple[str, int, int], str] = {}  # (producer, output, group) -> swap-in node
     for swap in plan.swaps:
         producer, output, _ = parse_input(swap.tensor)
@@ -215,6 +217,7 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
             if plan.read_on_gpu or group.landing:
                 landed = unique(beside(producer, f"landed-{output}-{g}"))
                 add_identity(landed, swapin, dtype, nodes[producer].device)
+                n_landed += 1
                 if group.landing:  # the landing op waits for it: the tensor lands before it allocates
                     add_control(group.landing, landed)
                 swapins[(producer, output, g)] = swapin = landed
@@ -292,7 +295,7 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
     if any(after.frames) or any(after.cond_depth):
         _check_branches(view if view is not None else GraphView(meta_graph.graph_def), after)
     report = RewriteReport(len(plan.swaps), n_in, out_bytes, in_bytes, control_edges, tuple(added), n_re, re_bytes,
-                           n_clones, len(plan.host_stacks), sum(h.bytes for h in plan.host_stacks))
+                           n_clones, len(plan.host_stacks), sum(h.bytes for h in plan.host_stacks), n_landed)
     return out, report
 
 

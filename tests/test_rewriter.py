@@ -351,7 +351,10 @@ def test_below_the_bound_of_the_original_order_grapplers_order_may_fit(samples):
     assert result.judge == "grappler" and result.fits
     assert result.plan.grappler["fits"] and result.plan.grappler["peak_bytes"] <= budget
     assert any("orders the step differently" in line for line in result.log)
-    new_graph, _ = api.rewrite(prepared, result.plan)
+    new_graph, report = api.rewrite(prepared, result.plan)
+    # Judged by Grappler's estimate: consumers read the host swap-in (no Identity on the GPU).
+    assert not result.plan.read_on_gpu and report.landed == 0 and "through an Identity" not in report.summary()
+    assert len(report.added_nodes) == report.swap_outs + report.swap_ins
     assert grappler.estimate_peak(new_graph, model.fetches).gpu_peak_bytes + prepared.schedule.resident_bytes <= budget
     before = steps.run_steps(model.meta_graph, model.fetches, steps=2)
     assert steps.first_difference(before, steps.run_steps(new_graph, model.fetches, steps=2)) is None
