@@ -17,7 +17,7 @@ from functools import wraps
 import click
 
 from lmscli import __version__
-from lmscli.cliopts import size_text
+from lmscli.cliopts import gpu_mem_text, size_text
 from lmscli.device import NO_BUDGET, STAND_IN_LINK
 from lmscli.device import PRESETS as _PRESETS
 from lmscli.errors import EXIT_ERROR, LmsError
@@ -169,7 +169,7 @@ def _print_profile(clock, no_color: bool) -> None:
 def device_options(func):
     """The device a plan is made for (shared by tune and rewrite)."""
 
-    @click.option("--gpu-mem", metavar="SIZE", callback=size_text,
+    @click.option("--gpu-mem", metavar="SIZE", callback=gpu_mem_text,
                   help="GPU memory, e.g. 16GiB, 32GB, 1.5e9, or N% of the no-swap peak.")
     @click.option("--device", "device_preset", type=click.Choice(sorted(PRESET_NAMES)),
                   help="A named GPU (memory, speed, link).")

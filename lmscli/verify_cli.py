@@ -17,7 +17,7 @@ import sys
 
 import click
 
-from lmscli.cliopts import size_text
+from lmscli.cliopts import gpu_mem_text
 
 
 @contextlib.contextmanager
@@ -131,7 +131,7 @@ def _limit(text: str, predicted_bytes: int) -> int:
 @click.option("--tf-order", is_flag=True,
               help="Measure in the order TensorFlow's executor picks (changes per session; host copies lag) "
                    "instead of the simulator's schedule.")
-@click.option("--gpu-mem", metavar="SIZE", callback=size_text,
+@click.option("--gpu-mem", metavar="SIZE", callback=gpu_mem_text,
               help="Prove it under a hard memory limit: both graphs train on a stand-in GPU (a TensorFlow server "
                    "process whose allocator is limited to SIZE, swaps going to a second process); e.g. 12MiB, "
                    "or N% of the original's predicted need.")
