@@ -571,6 +571,14 @@ def _loop_notes(view: GraphView, active) -> tuple[str, ...]:
     return loops.notes(view, active, loop_counts(view))
 
 
+def _cond_switch(view, i: int) -> bool:
+    """Whether node ``i`` is a Switch of a v1 cond, inside a loop or not: a while loop's own
+    Switches test the loop's ``LoopCond``."""
+    if view.ops[i] not in ("Switch", "RefSwitch") or len(view.data_inputs[i]) < 2:
+        return False
+    return view.ops[view.data_inputs[i][1][0]] != "LoopCond"
+
+
 def _call_notes(view: GraphView, active) -> tuple[str, ...]:
     """A note when the step calls functions of the graph's library: the tensors inside their
     bodies are not counted (only the calls' inputs and outputs are), nor swapped."""
@@ -645,7 +653,7 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
         if view.ops[node] in callers:
             from_calls += size
     loops = {view.frames[i] for i in range(view.size) if view.frames[i]}
-    conds = sum(1 for i in range(view.size) if view.ops[i] in ("Switch", "RefSwitch") and not view.frames[i])
+    conds = sum(1 for i in range(view.size) if _cond_switch(view, i))
     return Analysis(
         model=model.name,
         path=model.path,

@@ -121,7 +121,7 @@ def _analysis(doc: dict, svg: str | None) -> str:
         ("tensors of unknown size", f"{doc.get('unknown_tensors', 0)}"),
     ]
     parts = [_notes(doc.get("notes", ())), "<h2>Graph</h2>", _kv(rows),
-             "<h2>Memory over one training step</h2>", _plot(svg),
+             "<h2>Memory over one step</h2>", _plot(svg),
              _top(doc.get("top_live_at_peak", ()), "Largest tensors live at the peak")]
     unknown = doc.get("largest_unknown") or ()
     if unknown:
@@ -189,7 +189,7 @@ def _plan(doc: dict, svg: str | None) -> str:
                 for name, f in sorted(per_link.items())]
         parts += ["<h2>Predicted overhead per link</h2>",
                   _table(("link", "step time", "overhead", "peak"), rows, numeric=(1, 2, 3))]
-    parts += ["<h2>Memory over one training step</h2>", _plot(svg),
+    parts += ["<h2>Memory over one step</h2>", _plot(svg),
               _top(doc.get("top_live_at_peak", ()), "Largest tensors live at the peak, with the plan")]
     parts.append(_swaps(plan.get("swaps", ()), levels) if plan.get("swaps") or not plan.get("host_stacks") else "")
     if plan.get("host_stacks"):
@@ -298,5 +298,5 @@ def render(doc: dict, svg: str | None = None) -> str:
             f"<title>{_e(title)}</title><style>{CSS}</style></head><body>"
             f"<h1>{_e(title)}</h1><p class=\"sub\">{_e(schema)} version {_e(doc.get('version'))}, "
             f"written by lms {_e(__version__)}</p>{body}"
-            f"<footer>Simulated figures for one training step; sizes in binary units (KiB, MiB, GiB).</footer>"
+            f"<footer>Simulated figures for one step; sizes in binary units (KiB, MiB, GiB).</footer>"
             "</body></html>\n")

@@ -943,8 +943,8 @@ def _tune_on(prepared: Prepared, device: Device, options: TuneOptions, margin: i
         lb = bound.bytes
         if lb > max(budget, budget - margin):  # a negative margin plans for more than the budget
             op = sched.names[bound.position] if bound.position is not None else None
-            raise NoFitError(_no_fit_message(ctx, bound, budget) + _guard_words(options), bound_bytes=lb,
-                             binding_op=op, budget_bytes=budget)
+            raise NoFitError(_no_fit_message(ctx, bound, budget, options.strategy) + _guard_words(options, ctx.view),
+                             bound_bytes=lb, binding_op=op, budget_bytes=budget)
         if budget_act <= 0:  # the judge's margin left nothing for the tensors of the graph as written
             raise NoFitError(f"no plan found under {format_size(budget)}: the graph TensorFlow runs needs so much "
                              "more than the graph as written that nothing is left to plan with; try a larger "
@@ -1101,7 +1101,7 @@ def _best_plan(ctx: _Context, budget_act: int, baseline: SimResult, log: list[st
         if strategy == "hybrid" and tflms and not timing.out_of_time():
             with_recomputations("TFLMS-style", *tflms[0][1:4], [])
     if not found:
-        raise NoFitError(_stuck_message(ctx, stuck_at, strategy, budget_act, lb, _guard_words(options)), bound_bytes=lb,
+        raise NoFitError(_stuck_message(ctx, stuck_at, strategy, budget_act, lb, _guard_words(options, ctx.view)), bound_bytes=lb,
                          binding_op=ctx.schedule.names[stuck_at.position],
                          budget_bytes=ctx.device.budget)
 
@@ -1244,14 +1244,22 @@ def _tflms_candidate(ctx: _Context, budget_act: int, options: TuneOptions, found
         pass
 
 
-def _guard_words(options: TuneOptions) -> str:
+def _guard_words(options: TuneOptions, view) -> str:
     """What a no-plan answer adds when the optimizer guard left tensors unswapped: its lower bound
     counts them, so it is above the one `lms analyze` gives (QA: 51.3 MiB against 33.8 on an
     attention model, whose Softmax outputs the guard keeps)."""
     if not options.forbidden:
         return ""
-    return (f" (with {len(options.forbidden)} tensor(s) the optimizer guard leaves unswapped, since a swap node "
-            "there changes what Grappler's optimizations do; `lms analyze` counts them as swappable)")
+    sized = []
+    for name in options.forbidden:
+        node, _, port = name.rpartition(":")
+        i = view.index.get(node)
+        sized.append((-(view.tensor_bytes(i, int(port)) if i is not None and port.isdigit() else 0), name))
+    largest = ", ".join(f"{name} {format_size(-size)}" for size, name in sorted(sized)[:3])
+    more = ", ..." if len(sized) > 3 else ""
+    return (f" (with {len(options.forbidden)} tensor(s) the optimizer guard leaves unswapped ({largest}{more}), "
+            "since a swap node there changes what Grappler's optimizations do; `lms analyze` counts them as "
+            "swappable)")
 
 
 def _stuck_message(ctx: _Context, stuck: _Stuck, strategy: str, budget_act: int, lb: int, guard: str = "") -> str:
@@ -1264,9 +1272,10 @@ def _stuck_message(ctx: _Context, stuck: _Stuck, strategy: str, budget_act: int,
         where = " (inside a cond branch)"
     planned = budget_act + sched.resident_bytes
     under = _budget_words(ctx.device)
-    kind = {"recompute": "recompute", "hybrid": "swap or recompute"}.get(strategy, "swap")
+    kind = _plan_kind(strategy)
     needs = f"the {strategy} strategy still needs {format_size(stuck.need_bytes)}"
-    if abs(planned - ctx.device.budget) > ctx.device.budget // 200:  # the judge's margin moved it
+    moved = abs(planned - ctx.device.budget) > ctx.device.budget // 200  # the judge's margin moved it ...
+    if moved or planned < stuck.need_bytes <= ctx.device.budget:  # ... or the move is why a need under it fails
         more = "more" if planned < ctx.device.budget else "less"
         under += (f" (the graph TensorFlow runs needs {more} than the graph as written, so it was planned as "
                   f"{format_size(planned)} for the graph as written)")
@@ -1298,8 +1307,14 @@ def predicted(baseline: SimResult, result: SimResult, budget: int, flops: float 
         {"recompute_flops": int(flops)} if result.num_recomputes else {})
 
 
-def _no_fit_message(ctx: _Context, bound, budget: int) -> str:
-    return f"no swap plan can fit under {_budget_words(ctx.device)}: {bound.explain(ctx.schedule, budget)}"
+def _no_fit_message(ctx: _Context, bound, budget: int, strategy: str) -> str:
+    return (f"no {_plan_kind(strategy)} plan can fit under {_budget_words(ctx.device)}: "
+            f"{bound.explain(ctx.schedule, budget)}")
+
+
+def _plan_kind(strategy: str) -> str:
+    """What a strategy's plans do, in a message: "swap", "recompute" or "swap or recompute"."""
+    return {"recompute": "recompute", "hybrid": "swap or recompute"}.get(strategy, "swap")
 
 
 def _budget_words(device: Device) -> str:

@@ -67,7 +67,7 @@ def _byte_axis(axis, top: int) -> None:
 
 def _title(prepared, plan, budget, baseline) -> str:
     if plan is None:
-        return (f"{prepared.model.name}: simulated GPU memory in one training step, no swapping "
+        return (f"{prepared.model.name}: simulated GPU memory in one step, no swapping "
                 f"(peak {format_size(baseline.peak_bytes)})")
     dev = plan.device
     gpu = dev.get("name") if dev.get("name") not in (None, "", "custom") else f"{format_size(dev['gpu_mem_bytes'])} GPU"
@@ -138,11 +138,11 @@ def figure(prepared, result, title: str | None = None):
                               fontsize=8)
         lanes.set_ylim(-0.6, 1.6)
         lanes.grid(axis="x", alpha=0.25)
-        lanes.set_xlabel("time in one training step (ms, simulated)")
+        lanes.set_xlabel("time in one step (ms, simulated)")
         ax.plot([], [], color=OUT, lw=5, label="swap-out transfers (to host)")
         ax.plot([], [], color=IN, lw=5, label="swap-in transfers (to GPU)")
     else:
-        ax.set_xlabel("time in one training step (ms, simulated)")
+        ax.set_xlabel("time in one step (ms, simulated)")
     ax.set_xlim(left=0)
     ax.set_title(title or _title(prepared, plan, budget, baseline), fontsize=11)
     ax.legend(loc="upper center", ncol=2 if swapped else 3, fontsize=8, framealpha=0.92)

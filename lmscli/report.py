@@ -134,7 +134,7 @@ def render_analysis(console: Console, a, baseline=None) -> None:
         t.add_row("unknown sizes", f"[yellow]{a.unknown_tensors} tensor(s) with unknown shape (counted as 0 bytes)[/]")
     console.print(t)
     if baseline is not None:
-        render_chart(console, "Memory over one training step (simulated)",
+        render_chart(console, "Memory over one step (simulated)",
                      _series(f"no swapping (peak {format_size(baseline.peak_bytes)})", baseline))
     if a.top_live_at_peak:
         items = [{"name": i.name, "type": i.type, "bytes": i.bytes} for i in a.top_live_at_peak]
@@ -236,11 +236,11 @@ def render_tune(console: Console, result, details: dict | None = None) -> None:
     console.print(t)
     details = details or {}
     if plan.changes:
-        render_chart(console, "Memory over one training step (simulated)",
+        render_chart(console, "Memory over one step (simulated)",
                      _series(f"with lms (peak {format_size(result.result.peak_bytes)})", result.result),
                      _series(f"without (peak {format_size(result.baseline.peak_bytes)})", result.baseline), budget)
     else:
-        render_chart(console, "Memory over one training step (simulated)",
+        render_chart(console, "Memory over one step (simulated)",
                      _series(f"no swapping (peak {format_size(result.baseline.peak_bytes)})", result.baseline),
                      budget=budget)
     if details.get("top_live_at_peak"):

@@ -435,7 +435,8 @@ class _RunSearch:
             peak = self.last.plan.predicted.get("run_peak_bytes")
             if self.note:
                 raise NoFitError(f"no plan made held on the stand-in after {self.rounds} round(s); the last one: "
-                                 f"{self.note}; try a slightly larger --gpu-mem or leave more room (--reserve)",
+                                 f"{self.note}; try a slightly larger --gpu-mem or leave more room (--reserve) "
+                                 "(near the limit, runs on the stand-in vary, so another tune may find a plan)",
                                  budget_bytes=self.budget)
             raise NoFitError(f"planned for the graph as written, but the graph TensorFlow runs after its optimizations "
                              f"still needs {peak:,} bytes > {self.budget:,} after {self.rounds} round(s); try a "

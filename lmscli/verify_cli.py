@@ -257,7 +257,7 @@ def _render_needs(console, needs) -> None:
 
     from lmscli.units import format_size
 
-    table = Table(title="Smallest limit under which one training step runs (stand-in GPU)", title_justify="left")
+    table = Table(title="Smallest limit under which one step runs (stand-in GPU)", title_justify="left")
     for column in ("graph", "measured", "predicted (GPU)", "predicted here", "vs measured", "Grappler"):
         # (the graph's path folds rather than being cut to a few characters at 80 columns)
         table.add_column(column, justify="left" if column == "graph" else "right",

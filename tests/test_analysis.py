@@ -120,11 +120,23 @@ def test_unknown_batch_is_reported_then_resolved(samples):
     assert bigger.activation_peak_bytes > after.activation_peak_bytes
 
 
-def test_control_flow_is_found(samples):
+def test_control_flow_is_found(samples, tmp_path):
     loop, _ = _analyze(samples / "while_rnn.meta")
-    assert loop.while_loops >= 1
+    assert loop.while_loops >= 1 and loop.conds == 0  # a loop's own Switches are not conds
     cond, _ = _analyze(samples / "cond_cnn.meta")
     assert cond.conds >= 1
+    # A cond inside a loop's body (QA: "0 cond switch(es)" for an LSTM with one).
+    with v1_training_graph(tmp_path / "cond_in_loop.meta") as (tf, v1, graph):
+        w = v1.get_variable("w", [8, 8], initializer=v1.ones_initializer(), use_resource=True)
+
+        def body(i, h):
+            h = tf.matmul(h, w)
+            return i + 1, v1.cond(tf.equal(i % 2, 0), lambda: tf.tanh(h), lambda: h)
+
+        _, h = v1.while_loop(lambda i, h: i < 4, body, [tf.constant(0), tf.ones([4, 8])])
+        graph.loss = tf.reduce_sum(h)
+    both, _ = _analyze(tmp_path / "cond_in_loop.meta")
+    assert both.while_loops >= 1 and both.conds >= 1
 
 
 def test_analyze_is_deterministic(samples, runner):

@@ -108,7 +108,7 @@ def test_manual_tflms_parameters_skip_the_search(samples):
 def test_budget_below_lower_bound_is_exit_3(samples, runner):
     result = invoke(runner, "tune", samples / "resnet50.meta", "--gpu-mem", "100MiB")
     assert result.exit_code == 3
-    assert "no swap plan can fit" in result.stderr and "cannot be swapped" in result.stderr
+    assert "no swap or recompute plan can fit" in result.stderr and "cannot be swapped" in result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -350,4 +350,5 @@ def test_a_bound_raised_by_the_guard_says_so(samples):
         plan_tune(prepared, device, TuneOptions(forbidden=forbidden))
     assert caught.value.bound_bytes > bound
     assert "3 tensor(s) the optimizer guard leaves unswapped" in str(caught.value)
+    assert sched.label(big[0]) in str(caught.value)  # named, largest first, with their sizes
     plan_tune(prepared, device, TuneOptions())  # without them, a plan

@@ -177,7 +177,7 @@ def test_terminal_report_is_plain_and_complete(terminal):
         if line and line[0] in BOX_PAIRS:
             assert line.rstrip()[-1] == BOX_PAIRS[line[0]], line
     for needed in ("device", "budget", "peak without swapping", "predicted peak with plan", "on nvlink2", "on pcie3",
-                   "Memory over one training step", "Largest tensors live at the peak, with the plan",
+                   "Memory over one step", "Largest tensors live at the peak, with the plan",
                    "Swapped tensors (", "Recomputed tensors ("):
         assert needed in text, needed
     assert re.search(r"Swapped tensors \(\d+, largest first", text)
@@ -195,13 +195,13 @@ def test_analyze_terminal_chart_without_colour_codes(runner, monkeypatch):
     monkeypatch.delenv("TTY_COMPATIBLE", raising=False)
     result = invoke(runner, "analyze", SAMPLES / "mlp.meta")  # no --no-color: a pipe gets none anyway
     assert result.exit_code == 0 and "\x1b[" not in result.stdout
-    assert "Memory over one training step" in result.stdout and "no swapping (peak 3.74 MiB)" in result.stdout
+    assert "Memory over one step" in result.stdout and "no swapping (peak 3.74 MiB)" in result.stdout
     assert "Largest tensors live at the peak" in result.stdout
     monkeypatch.setenv("FORCE_COLOR", "1")  # as if on a terminal: colours and bold ...
     forced = invoke(runner, "analyze", SAMPLES / "mlp.meta")
     assert "\x1b[" in forced.stdout
     plain = invoke(runner, "analyze", SAMPLES / "mlp.meta", "--no-color")  # ... unless --no-color
-    assert "\x1b[" not in plain.stdout and "Memory over one training step" in plain.stdout
+    assert "\x1b[" not in plain.stdout and "Memory over one step" in plain.stdout
 
 
 def _series(points, resident=0, label="x"):

@@ -705,6 +705,10 @@ class StandIn:
         if isinstance(exc, tf.errors.DeadlineExceededError):
             raise StandInError(f"the stand-in did not finish {phase} within {self.timeout_s:.0f} s; "
                                "raise timeout_s for a slow graph")
+        text = str(exc)
+        if "Cannot colocate nodes" in text or "Cannot assign a device" in text:  # placed at the first run
+            raise LmsError("TensorFlow cannot place the graph on the stand-in's devices (an error of placement, "
+                           f"not of memory or of the variables): {_error_line(exc)}")
         raise LmsError(f"the graph failed on the stand-in while {phase}, not for lack of memory: {_error_line(exc)}")
 
     def _verdict(self, prep: _Prepared, limit: int | None, batch_size: int, steps: int, runs: int,
