@@ -172,11 +172,27 @@ class _Context:
             found = self.tags[c] if found is None else found & self.tags[c]
         return found or frozenset()
 
-    def can_wait(self, p: int, producer: int) -> bool:
-        """May the op at ``p`` wait for the swap-out of a tensor made at ``producer``? Not an
-        activation the remapper fuses into its producer (:func:`lmscli.candidates.absorbed`): a
-        control input into it stops that fusion, and the guard would then forbid the tensor."""
-        return self.can_edge[p] and not self.absorbed[p] and branch_safe(self.tags[producer], self.tags[p])
+    def can_wait(self, p: int, tid: int) -> bool:
+        """May the op at ``p`` wait for the swap-out of tensor ``tid``? Not an activation the
+        remapper fuses into its producer (:func:`lmscli.candidates.absorbed`): a control input into
+        it stops that fusion, and the guard would then forbid the tensor. The swap-out runs in the
+        branches of the tensor (:meth:`tensor_tags`), which ``p`` must run in too."""
+        return self.can_edge[p] and not self.absorbed[p] and branch_safe(self.tensor_tags(tid), self.tags[p])
+
+    def tensor_tags(self, tid: int) -> frozenset:
+        """The v1 cond branches an op reading tensor ``tid`` runs in: its producer's, and for an
+        output of a cond's Switch, the branch that output opens (QA: a swap-out of ``Switch:1``
+        waited for by an op after the cond, which the rewriter refused)::
+
+            pred --> Switch --:1--> swap-out (true branch) - - -> ConvGrad (outside): refused
+        """
+        t = self.schedule.tensors[tid]
+        tags = self.tags[t.producer]
+        node = self.schedule.nodes[t.producer]
+        view = self.view
+        if view.ops[node] in ("Switch", "RefSwitch") and not view.frames[node] and len(view.data_inputs[node]) > 1:
+            tags = tags | {(view.data_inputs[node][1], t.output)}
+        return tags
 
     def live_candidates(self, p: int) -> list[int]:
         """Candidate tensors produced before ``p`` and read after it."""
@@ -335,12 +351,12 @@ def _gap_swap(ctx: _Context, cand: Candidate, p: int, result: SimResult,
     stall = 0
     if ctx.waited_out:
         # The swap-out leaves when p waits for it: p waits for the whole transfer.
-        if not ctx.can_wait(p, t.producer):
+        if not ctx.can_wait(p, t.id):
             return None
         waiters, lo, stall = (p,), p, transfer
     elif lo > p:
         # The transfer cannot be done before p starts: p waits for the swap-out (a stall).
-        if not ctx.can_wait(p, t.producer):
+        if not ctx.can_wait(p, t.id):
             return None
         waiters, lo = (p,), p
         stall = freed_at - starts[p]
@@ -670,7 +686,7 @@ def _late_free(ctx: _Context, chosen: dict, p: int, judged: _Judged) -> _Choice 
             continue
         if p in swap.waiters or (swap.near and swap.near[-1] >= p) or ctx.schedule.tensors[tid].producer >= p:
             continue
-        if not ctx.can_wait(p, ctx.schedule.tensors[tid].producer):
+        if not ctx.can_wait(p, tid):
             continue
         if swap.groups and swap.groups[0].trigger < p:
             continue

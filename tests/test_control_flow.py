@@ -54,6 +54,29 @@ def test_branch_safe_edges():
     assert not branch_safe(true, frozenset()) and not branch_safe(true, false)
 
 
+def test_an_op_outside_a_branch_never_waits_for_a_swap_out_of_a_switch_output(cond_branch):
+    """A Switch runs outside its cond, but its output 1 (the value entering the true branch) and
+    a swap-out reading it run in the branch: an op after the cond may not wait for that swap-out
+    (QA: a --stand-in plan made one wait, and the rewriter refused it with exit 1)."""
+    from lmscli.planner import _Context
+
+    _model, prepared = cond_branch
+    ctx = _Context(prepared, api.make_device(gpu_mem="1GiB"), api.Filters())
+    sched, view = prepared.schedule, prepared.view
+    checked = 0
+    for t in sched.tensors:
+        node = sched.nodes[t.producer]
+        if view.ops[node] != "Switch" or t.output != 1 or not t.consumers:
+            continue
+        assert ctx.tensor_tags(t.id) and not ctx.tags[t.producer]  # the Switch itself: outside
+        outside = [k for k in range(t.producer + 1, len(sched)) if ctx.can_edge[k] and not ctx.tags[k]]
+        inside = [c for c in t.consumers if ctx.can_edge[c] and not ctx.absorbed[c]]
+        assert outside and not any(ctx.can_wait(k, t.id) for k in outside)
+        assert all(ctx.can_wait(c, t.id) for c in inside)
+        checked += 1
+    assert checked
+
+
 def test_swaps_inside_branches_keep_every_op_in_its_branch_and_train_identically(cond_branch, tmp_path):
     """At 65% of the peak (out of reach while lms triggered nothing inside branches: it stopped at
     80%), the plan swaps tensors made in the branch and a Switch output forwarding the stem's
