@@ -335,6 +335,7 @@ class Analysis:
     peak_in_host_stacks: int = 0  # of peak_in_loops, what gradient stacks keep that lms can move to the host
     host_stacks: int = 0  # gradient stacks of v1 while loops lms can keep on the host
     host_stack_bytes: int = 0  # what they keep over one step (the lower bound has them on the host)
+    unknown_batch: bool = False  # a placeholder the step reads has an unknown dimension (--batch-size fixes it)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -540,6 +541,13 @@ def _dims(shape) -> str:
     return "<unknown rank>" if shape is None else "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
 
 
+def unknown_batch(prepared: Prepared) -> bool:
+    """Has a placeholder the step reads an unknown dimension (what ``--batch-size`` fixes)?"""
+    view = prepared.view
+    placeholders = [i for i in prepared.schedule.nodes if view.ops[i] == "Placeholder"]
+    return any(info.shape is None or None in info.shape for i in placeholders for info in view.outputs(i))
+
+
 def unknown_size_warning(prepared: Prepared) -> str | None:
     """A warning when outputs of the step have sizes shape inference leaves unknown (counted as 0
     bytes, so the figures are too small), naming the largest partly known one; None otherwise.
@@ -554,8 +562,7 @@ def unknown_size_warning(prepared: Prepared) -> str | None:
     if not found:
         return None
     _size, name, shape = min(found)
-    placeholders = [i for i in prepared.schedule.nodes if view.ops[i] == "Placeholder"]
-    batch = any(info.shape is None or None in info.shape for i in placeholders for info in view.outputs(i))
+    batch = unknown_batch(prepared)
     hint = "; give --batch-size N for the unknown batch dimension" if batch and not prepared.batch_size else \
         " (they depend on the data)" if not batch else ""
     return (f"{len(found)} tensor(s) of the step have an unknown size and count as 0 bytes, so the figures are "
@@ -689,6 +696,7 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
         swappable_tensors=len(cands),
         swappable_bytes=sum(schedule.tensors[t].num_bytes for t in cands),
         unknown_tensors=len(unknown),
+        unknown_batch=unknown_batch(prepared),
         largest_unknown=tuple(unknown[:5]),
         top_live_at_peak=tuple(top),
         devices=tuple(devices),

@@ -2,7 +2,8 @@
 
 A tensor is a *candidate* when swapping it is both safe and useful:
 
-* its producer is an active GPU op outside any v1 while-loop frame and is not a control-flow op
+* its producer is an active GPU op outside any v1 while-loop frame (a forwarding op Grappler
+  removes included: :data:`REMOVED_ALIASES`) and is not a control-flow op
   (a cond's Switch and Merge excepted: their outputs are ordinary tensors, inside a branch or
   after the cond), a constant, a variable or a shape op. Unlike TFLMS we do swap variable
   reads, identities and placeholders: TensorFlow's memory accounting (and Grappler's) gives their outputs buffers of
@@ -12,7 +13,8 @@ A tensor is a *candidate* when swapping it is both safe and useful:
   size is known;
 * its swap frees memory: not a variable's own buffer; a buffer that other tensors share (an
   Identity or a Switch forwarding it) is freed only by swapping them all (``Candidate.shares``);
-* it is not summed by an AddN of three or more inputs (see :func:`_order_sensitive_sum`);
+* it is not summed by an AddN of three or more inputs at input 0, nor at a later input when
+  input 0's buffer has another reader (see :func:`_order_sensitive_sum`);
 * at least one consumer is *rewirable*: a GPU op outside while-loop frames that is not itself a
   control-flow op (those need their inputs in a particular frame or form), and whose edge from
   the producer is not one Grappler fuses (see :data:`FUSED_EDGES`).
@@ -33,8 +35,9 @@ NEVER_SWAP_PRODUCERS = frozenset({"Const", "HostConst", "BroadcastGradientArgs"}
 # input instead, so its output still exists (unlike an op fused into a kernel) and may be swapped.
 # That is allowed for the Identities lms's inlining makes (lmscli.inline.BOUNDARY_ATTR): a
 # TensorFlow 2 backward function reads every activation it needs through them, so without them
-# nothing crossing a function boundary could be swapped. (Allowing every removed Identity changed
-# plans on v1 graphs, e.g. recompute-only plans that no longer fit; not needed there.)
+# nothing crossing a function boundary could be swapped; and for other removed forwarding ops
+# (REMOVED_ALIASES below), which are swapped but never recomputed (clones of them made
+# recompute-only plans worse on v1 graphs).
 ALIAS_OPS = frozenset({"Identity"})
 
 # The ops of a v1 cond (outside while loops) make ordinary tensors: a Switch output is its input
@@ -171,6 +174,7 @@ class Candidate:
     rewirable: tuple[int, ...]  # consumer positions that may read a swap-in
     pinned: tuple[int, ...] = field(default=())  # consumer positions that must read the GPU copy
     shares: tuple[int, ...] = field(default=())  # other tensors holding its buffer: swapped together or not at all
+    beyond_tflms: bool = False  # an alias Grappler removes, or a later input of an AddN of 3+ (TFLMS swapped neither)
 
 
 def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters(),
@@ -196,7 +200,7 @@ def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters()
         if op in NEVER_SWAP_PRODUCERS and op not in COND_PRODUCERS:
             continue
         if (view.names[node] in fused and not absorbed(view, node, fused) and op not in COND_PRODUCERS
-                and not boundary(view, node)):
+                and not boundary(view, node) and not removed_alias(view, node)):
             continue  # (a cond's Switch Grappler removes is a duplicate: its twin forwards the same tensor)
         if forbidden and f"{view.names[node]}:{t.output}" in forbidden:
             continue
@@ -205,8 +209,12 @@ def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters()
         info = view.tensor(node, t.output)
         if info is None or info.num_bytes is None or info.itemsize == 0 or (info.rank or 0) < 2:
             continue
-        if any(_order_sensitive_sum(view, schedule.nodes[c]) for c in t.consumers):
+        if any(_order_sensitive_sum(view, schedule.nodes[c], node, t.output) for c in t.consumers):
             continue
+        # (TFLMS swapped neither: its style of plan leaves them, see planner.tflms_swaps)
+        beyond = (view.names[node] in fused and removed_alias(view, node)) or any(
+            view.ops[schedule.nodes[c]] in SUM_OPS and len(view.data_inputs[schedule.nodes[c]]) >= 3
+            for c in t.consumers)
         if not filters.producer_ok(view.names[node], op):
             continue
         rewirable, pinned = [], []
@@ -221,8 +229,21 @@ def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters()
             else:
                 pinned.append(c)
         if rewirable:
-            out[t.id] = Candidate(t.id, tuple(rewirable), tuple(pinned), shared.get(t.id, ()))
+            out[t.id] = Candidate(t.id, tuple(rewirable), tuple(pinned), shared.get(t.id, ()), beyond)
     return out
+
+
+# Forwarding ops Grappler removes whose output lms may swap all the same: the tensor lives on
+# under its input's name, read by the alias's consumers (v1 gradients reach their consumers
+# through the ``tuple/control_dependency`` Identities of ``tf.gradients``; ``stop_gradient``
+# feeds a second tower). Swapping one rewires those consumers, as for any tensor; the optimizer
+# guard checks that Grappler still removes the alias. Not recomputed (see planner._Context.recipes).
+REMOVED_ALIASES = frozenset({"Identity", "StopGradient", "PreventGradient", "Snapshot"})
+
+
+def removed_alias(view: GraphView, node: int) -> bool:
+    """Is ``node`` (which Grappler removes) a one-input forwarding op whose output may be swapped?"""
+    return view.ops[node] in REMOVED_ALIASES and len(view.data_inputs[node]) == 1
 
 
 def boundary(view: GraphView, node: int) -> bool:
@@ -235,14 +256,44 @@ def boundary(view: GraphView, node: int) -> bool:
 SUM_OPS = frozenset({"AddN", "AccumulateNV2"})
 
 
-def _order_sensitive_sum(view: GraphView, node: int) -> bool:
-    """An AddN of three or more tensors. TensorFlow's AddN kernel accumulates into the first input
-    whose buffer it may reuse and moves that input to the front of the sum, so which input is free
-    to reuse (a swap-out still holds its tensor; a swap-in's buffer is its own) can change the
-    order of the sum, and with it the last bits. Two inputs commute exactly. A precaution taken
-    from the kernel's code, not yet seen to matter in a run (the optimizer guard does not see it:
-    the graph Grappler makes is the same)."""
-    return view.ops[node] in SUM_OPS and len(view.data_inputs[node]) >= 3
+def _order_sensitive_sum(view: GraphView, node: int, src: int, output: int) -> bool:
+    """Does swapping tensor ``(src, output)`` risk the order of a sum at ``node``, an AddN of three
+    or more tensors? TensorFlow's AddN kernel accumulates into the first input whose buffer it may
+    reuse and moves that input to the front of the sum, so which input is free to reuse (a
+    swap-out still holds its tensor; a swap-in's buffer is its own) can change the order of the
+    sum, and with it the last bits. Two inputs commute exactly. A precaution taken from the
+    kernel's code (the optimizer guard does not see it: the graph Grappler makes is the same).
+
+    Safe: a tensor read at a later input when input 0 is reused before and after the swap, i.e.
+    input 0's buffer has the sum as its only reader (then it is never swapped itself)::
+
+        g0 (read only by AddN) --:0--> AddN <--:2-- g2 (swapped: its swap-in is read instead)
+        order before and after: g0 + g1 + g2, accumulated in g0's buffer
+    """
+    if view.ops[node] not in SUM_OPS or len(view.data_inputs[node]) < 3:
+        return False
+    ports = [k for k, edge in enumerate(view.data_inputs[node]) if edge == (src, output)]
+    return view.ops[node] != "AddN" or 0 in ports or not _sole_reader(view, *view.data_inputs[node][0])
+
+
+_OWN_BUFFER_NEVER = frozenset({"Placeholder", "PlaceholderWithDefault", "ReadVariableOp"})
+
+
+def _sole_reader(view: GraphView, src: int, output: int) -> bool:
+    """Has tensor ``(src, output)`` one reader, and does its buffer have no other (through the
+    forwarding ops that make it: Identity, Reshape, ...)? Then its reader may reuse the buffer."""
+    from lmscli.memmodel import FORWARDING_OPS
+
+    while True:
+        readers = [dst for dst, _port, out in view.consumers[src] if out == output]
+        op = view.ops[src]
+        if len(readers) != 1 or op in NEVER_SWAP_PRODUCERS or op in _OWN_BUFFER_NEVER or view.in_loop(src):
+            return False
+        if op not in FORWARDING_OPS:
+            return True
+        if op in CONTROL_FLOW_OPS or len(view.data_inputs[src]) != 1:
+            return False
+        src, output = view.data_inputs[src][0]
 
 
 def _no_gain(schedule: Schedule) -> tuple[set[int], dict[int, tuple[int, ...]]]:

@@ -30,7 +30,7 @@ import numpy as np
 from lmscli import hoststacks, timing
 from lmscli.analysis import Prepared, binding
 from lmscli.candidates import (COND_PRODUCERS, Candidate, Filters, absorbed, boundary, branch_safe, candidates,
-                               edge_safe, landing_safe, trigger_safe)
+                               edge_safe, landing_safe, removed_alias, trigger_safe)
 from lmscli.device import Device
 from lmscli.errors import NoFitError
 from lmscli.plan import Plan, from_sim, graph_fingerprint, host_stacks_from, recompute_flops, recomputes_from_sim
@@ -99,6 +99,7 @@ class _Context:
 
     def __init__(self, prepared: Prepared, device: Device, filters: Filters, forbidden: frozenset = frozenset()):
         self.prepared = prepared
+        self.tflms_wide = False  # TFLMS-style plans may swap what TFLMS did not (see _tflms_candidate)
         self.view = prepared.view
         self.schedule: Schedule = prepared.schedule
         self.device = device
@@ -141,8 +142,14 @@ class _Context:
             with timing.phase("recompute recipes"):
                 # (clones free no shared buffer; an inlined call's argument is its input's buffer)
                 sched = self.schedule
-                alone = [t for t, c in self.cands.items()
-                         if not c.shares and not boundary(self.view, sched.nodes[sched.tensors[t].producer])]
+                fused = frozenset(self.prepared.fused or ())
+
+                def aliased(t: int) -> bool:  # a boundary or removed Identity: the clone would be the alias
+                    node = sched.nodes[sched.tensors[t].producer]
+                    return boundary(self.view, node) or (self.view.names[node] in fused
+                                                         and removed_alias(self.view, node))
+
+                alone = [t for t, c in self.cands.items() if not c.shares and not aliased(t)]
                 self._recipes = recipes(self.view, self.schedule, alone, self.prepared.fused)
                 self.buffers = Buffers(self.schedule)
         return self._recipes
@@ -717,7 +724,7 @@ def tflms_swaps(ctx: _Context, params: TflmsParams) -> list[SimSwap]:
     for tid in sorted(ctx.cands):
         cand = ctx.cands[tid]
         t = sched.tensors[tid]
-        if cand.shares or sched.ops[t.producer] in COND_PRODUCERS:
+        if cand.shares or (cand.beyond_tflms and not ctx.tflms_wide) or sched.ops[t.producer] in COND_PRODUCERS:
             continue  # (TFLMS swapped neither forwarded buffers nor control-flow outputs)
         lp = levels[t.producer]
         far = [c for c in cand.rewirable if levels[c] - lp > params.swapout_threshold]
@@ -1253,11 +1260,20 @@ def _sources_back(ctx: _Context, recipe, current: dict, trig: int, result: SimRe
 
 
 def _tflms_candidate(ctx: _Context, budget_act: int, options: TuneOptions, found: list) -> None:
-    try:
-        swaps, chosen, result = plan_tflms(ctx, budget_act, [], ctx.sync_mode(options.sync_mode))
-        found.append(("tflms", swaps, result, {"tflms_search": chosen.__dict__}, []))
-    except _Stuck:
-        pass
+    """TFLMS's search as a second candidate; where it finds nothing, the same search over the
+    tensors TFLMS did not swap as well (:attr:`lmscli.candidates.Candidate.beyond_tflms`)."""
+    for wide in (False, True):
+        if wide and not any(c.beyond_tflms for c in ctx.cands.values()):
+            return
+        ctx.tflms_wide = wide
+        try:
+            swaps, chosen, result = plan_tflms(ctx, budget_act, [], ctx.sync_mode(options.sync_mode))
+            found.append(("tflms", swaps, result, {"tflms_search": chosen.__dict__}, []))
+            return
+        except _Stuck:
+            pass
+        finally:
+            ctx.tflms_wide = False
 
 
 def _guard_words(options: TuneOptions, view) -> str:

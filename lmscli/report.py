@@ -147,8 +147,7 @@ def render_analysis(console: Console, a, baseline=None) -> None:
         for u in a.largest_unknown:
             unk.add_row(u.name, u.shape, u.dtype)
         console.print(unk)
-        if a.batch_size is None and any("?" in u.shape for u in a.largest_unknown):
-            # (not for outputs of unknown rank only, such as a FusedBatchNorm's reserve space)
+        if a.batch_size is None and a.unknown_batch:  # (else the sizes depend on the data, not the batch)
             console.print("[yellow]hint:[/] give --batch-size N to fix unknown batch dimensions")
 
 

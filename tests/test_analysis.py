@@ -120,6 +120,21 @@ def test_unknown_batch_is_reported_then_resolved(samples):
     assert bigger.activation_peak_bytes > after.activation_peak_bytes
 
 
+def test_batch_size_changes_nothing_when_every_batch_dimension_is_known(samples):
+    """``--batch-size`` equal to a static graph's batch changes nothing: the ``_output_shapes``
+    TensorFlow cannot infer again (inside lowered functional loops) are kept (QA: a GRU's figures
+    changed, with 144 more tensors of unknown size). With an unknown batch they are re-inferred."""
+    from lmscli import shapes
+
+    static = loader.load(str(samples / "cnn.meta")).graph_def
+    static.node[0].attr["_output_shapes"].list.shape.add()  # an attribute that must stay
+    same, changed = shapes.set_batch_size(static, 16)
+    assert same is static and not changed
+    unknown = loader.load(str(samples / "unknown_batch.meta")).graph_def
+    out, changed = shapes.set_batch_size(unknown, 16)
+    assert changed and not any("_output_shapes" in n.attr for n in out.node)
+
+
 def test_control_flow_is_found(samples, tmp_path):
     loop, _ = _analyze(samples / "while_rnn.meta")
     assert loop.while_loops >= 1 and loop.conds == 0  # a loop's own Switches are not conds

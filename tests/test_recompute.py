@@ -331,7 +331,8 @@ for swap in plan.swaps:  # a swap, and a fused ReLU between its last near use an
     relus = [k for k in range(start + 1, at[swap.swap_ins[0].trigger]) if ctx.absorbed[k]
              and fused.get(sched.names[sched.tensors[sched.inputs[k][0]].producer]) == "_FusedBatchNormEx"]
     if relus:
-        out["may_wait"] = ctx.can_wait(relus[0], at[swap.tensor.split(":")[0]])
+        tid = next(t.id for t in sched.tensors if sched.label(t.id) == swap.tensor)
+        out["may_wait"] = ctx.can_wait(relus[0], tid)
         for name, waiters in (("with", (sched.names[relus[0]],)), ("without", ())):
             trial = replace(plan, swaps=(replace(swap, waiters=waiters),), recomputes=())
             meta, _ = emit(prepared, trial, force=True)

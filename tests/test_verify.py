@@ -253,7 +253,7 @@ def test_chain_leaves_control_flow_alone():
     model = api.load(str(SAMPLES / "while_rnn.meta"))
     meta = type(model.meta_graph)()
     meta.CopyFrom(model.meta_graph)
-    regions = measure._control_flow_regions(meta.graph_def)
+    regions, _conds = measure._control_flow_regions(meta.graph_def)
     ops = {n.name: n.op for n in meta.graph_def.node}
     assert any(ops[n] == "Enter" for n in regions) and any(ops[n] == "Exit" for n in regions)
     assert any(n.startswith("apply_gradients/") for n in regions)  # downstream of the gradient loop
@@ -262,6 +262,30 @@ def test_chain_leaves_control_flow_alone():
     for node in meta.graph_def.node:
         if node.name in regions:
             assert list(node.input) == before[node.name]
+
+
+def test_the_nodes_of_a_cond_branch_are_chained_among_themselves():
+    """In a cond branch the measurement chains only nodes of the same branch: never a node outside
+    the branch (a dead branch would stop it) nor one of the other branch."""
+    from lmscli.graphview import GraphView
+
+    model = api.load(str(SAMPLES / "cond_cnn.meta"))
+    meta = type(model.meta_graph)()
+    meta.CopyFrom(model.meta_graph)
+    _loops, conds = measure._control_flow_regions(meta.graph_def)
+    before = {n.name: set(n.input) for n in meta.graph_def.node}
+    tags = GraphView(meta.graph_def).branch_tags()
+    index = {n.name: k for k, n in enumerate(meta.graph_def.node)}
+    assert measure.serialize(meta, [n.name for n in meta.graph_def.node]) > 0
+    inside = 0
+    for node in meta.graph_def.node:
+        for text in set(node.input) - before[node.name]:
+            src = text.lstrip("^")
+            assert (src in conds) == (node.name in conds)
+            if node.name in conds:
+                assert tags[index[src]] == tags[index[node.name]] and tags[index[src]]
+                inside += 1
+    assert inside
 
 
 def test_live_curve_allocations_before_frees_at_equal_times():

@@ -145,11 +145,11 @@ def _initializer_ancestors(meta) -> set[str]:
     return seen
 
 
-def _control_flow_regions(graph_def) -> set[str]:
-    """Nodes a chain must not touch: v1 while-loop bodies (from an Enter up to its Exit), all that
-    follows an Exit (it fires only when the loop is done, through back edges a static order does
-    not see), and v1 cond branches (from a Switch up to its Merge: a dead branch would kill the
-    next node in the chain)."""
+def _control_flow_regions(graph_def) -> tuple[set[str], set[str]]:
+    """``(loops, conds)``: nodes the main chain must not touch. ``loops``: v1 while-loop bodies
+    (from an Enter up to its Exit) and all that follows an Exit (it fires only when the loop is
+    done, through back edges a static order does not see); ``conds``: v1 cond branches (from a
+    Switch up to its Merge: a dead branch would kill the next node in the chain)."""
     succ: dict[str, list[str]] = {}
     ops = {}
     for node in graph_def.node:
@@ -173,26 +173,41 @@ def _control_flow_regions(graph_def) -> set[str]:
     enters = [n for n, op in ops.items() if op in ("Enter", "RefEnter")]
     exits = [n for n, op in ops.items() if op in ("Exit", "RefExit")]
     switches = [n for n, op in ops.items() if op in ("Switch", "RefSwitch")]
-    return (flood(enters, frozenset({"Exit", "RefExit"})) | flood(exits)
-            | flood(switches, frozenset({"Merge", "RefMerge"})))
+    return (flood(enters, frozenset({"Exit", "RefExit"})) | flood(exits),
+            flood(switches, frozenset({"Merge", "RefMerge"})))
 
 
 def serialize(meta, order) -> int:
     """Chain the nodes of ``order`` with control edges so they run exactly in that order.
 
     Nodes without inputs (variables, constants, placeholders), what the variable initializers
-    need and control-flow regions stay free. Returns the number of edges added.
+    need and while loops stay free. The nodes of each v1 cond branch form a chain of their own
+    (an edge between two nodes of the same branches is dead exactly when both are); before, they
+    ran as the executor pleased, and a swap-out in a branch could leave after the peak (QA: a
+    rewrite that saved 16 MiB measured as saving nothing). Returns the number of edges added.
     """
-    skip = _initializer_ancestors(meta) | _control_flow_regions(meta.graph_def)
+    from lmscli.graphview import GraphView
+
+    loops, conds = _control_flow_regions(meta.graph_def)
+    skip = _initializer_ancestors(meta) | loops
     nodes = {node.name: node for node in meta.graph_def.node}
-    chain = [n for n in order if n in nodes and n not in skip and len(nodes[n].input) > 0]
+    ready = [n for n in order if n in nodes and n not in skip and len(nodes[n].input) > 0]
+    chains: dict[frozenset, list[str]] = {frozenset(): [n for n in ready if n not in conds]}
+    if conds:
+        view = GraphView(meta.graph_def)
+        tags = view.branch_tags()
+        for n in ready:
+            tag = tags[view.index[n]]
+            if n in conds and tag:
+                chains.setdefault(tag, []).append(n)
     added = 0
-    for prev, name in zip(chain, chain[1:]):
-        node = nodes[name]
-        if any(text.lstrip("^").split(":")[0] == prev for text in node.input):
-            continue
-        node.input.append("^" + prev)
-        added += 1
+    for chain in chains.values():
+        for prev, name in zip(chain, chain[1:]):
+            node = nodes[name]
+            if any(text.lstrip("^").split(":")[0] == prev for text in node.input):
+                continue
+            node.input.append("^" + prev)
+            added += 1
     return added
 
 
