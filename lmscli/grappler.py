@@ -116,11 +116,12 @@ class Trace:
     on_host: frozenset = frozenset()  # ops Grappler's placer put on the CPU (no GPU kernel)
     unmatched_first: bool = False  # ops missing from ``order`` run as soon as they are ready (an
     # order observed on the optimized graph lacks the nodes Grappler removed: cheap forwarding ops)
+    shapes: dict = field(default_factory=dict)  # (node, output) -> dims, where Grappler's inference knows them all
 
     def observed(self, order, micros: dict | None = None) -> "Trace":
         """An execution order observed in a real run, with the op times observed there (ops it did
         not show keep this trace's times)."""
-        return Trace(tuple(order), {**self.micros, **(micros or {})}, self.on_host, True)
+        return Trace(tuple(order), {**self.micros, **(micros or {})}, self.on_host, True, self.shapes)
 
 
 def _step_stats(meta_graph, fetches, gpu_mem: int = 1 << 50):
@@ -141,12 +142,18 @@ def trace(meta_graph, fetches, gpu_mem: int = 1 << 50) -> Trace:
     """Run Grappler's virtual scheduler (analytical cost model, first-ready order) on a virtual GPU."""
     step_stats = _step_stats(meta_graph, fetches, gpu_mem)
     rows = []
+    shapes = {}
     for dev in step_stats.dev_stats:
         for seq, ns in enumerate(dev.node_stats):
             rows.append((ns.all_start_micros, "GPU" not in dev.device.upper(), seq, ns.node_name,
                          ns.op_end_rel_micros))
+            for out in ns.output:
+                shape = out.tensor_description.shape
+                if not shape.unknown_rank and all(d.size >= 0 for d in shape.dim):
+                    shapes[(ns.node_name, out.slot)] = tuple(d.size for d in shape.dim)
     rows.sort()
-    return Trace(tuple(r[3] for r in rows), {r[3]: int(r[4]) for r in rows}, frozenset(r[3] for r in rows if r[1]))
+    return Trace(tuple(r[3] for r in rows), {r[3]: int(r[4]) for r in rows}, frozenset(r[3] for r in rows if r[1]),
+                 shapes=shapes)
 
 
 def tensor_sizes(meta_graph, fetches) -> dict:

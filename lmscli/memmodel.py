@@ -89,7 +89,8 @@ def sharing(ops, tensors, inputs, on_gpu) -> tuple[tuple[int, ...], tuple[bool, 
             shares[t.id] = RESIDENT
             root[t.id] = -1
             continue
-        same = [i for i in inputs[k] if tensors[i].num_bytes == t.num_bytes]
+        # (only tensors made before: a loop's Merge also reads its NextIteration, through a back edge)
+        same = [i for i in inputs[k] if i < t.id and tensors[i].num_bytes == t.num_bytes]
         if op in FORWARDING_OPS and same and (t.output == 0 or op in SWITCH_OPS):
             src = same[0]
             r = root[t.id] = root[src]
