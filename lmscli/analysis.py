@@ -661,10 +661,10 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
             base = simulate(other)
             facts = (base.peak_bytes, lower_bound(alone, set(other_cands), base)[0], len(other_cands))
         devices.append(DeviceFacts(other.device, sum(other.on_gpu), facts[0], other.resident_bytes, facts[1], facts[2]))
-    unknown = []
-    for i in active:
+    unknown = []  # (as unknown_size_warning counts them: outputs of the ops scheduled, of known rank)
+    for i in schedule.nodes:
         for k, info in enumerate(view.outputs(i)):
-            if info.num_bytes is None:
+            if info.num_bytes is None and info.shape is not None:
                 unknown.append(UnknownTensor(f"{view.names[i]}:{k}", _dims(info.shape), info.dtype,
                                              info.known_elements * info.itemsize))
     unknown.sort(key=lambda u: (-u.known_bytes, u.name))

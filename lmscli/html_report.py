@@ -118,7 +118,7 @@ def _analysis(doc: dict, svg: str | None) -> str:
                          f"{_size(doc.get('peak_in_loops', 0))} in while loops ("
                          f"{_size(doc.get('peak_in_host_stacks', 0))} in gradient stacks lms can keep on the host), "
                          f"{_size(doc.get('peak_from_calls', 0))} returned by function calls"),
-        ("tensors of unknown size", f"{doc.get('unknown_tensors', 0)}"),
+        ("tensors of the step of unknown size", f"{doc.get('unknown_tensors', 0)}"),
     ]
     parts = [_notes(doc.get("notes", ())), "<h2>Graph</h2>", _kv(rows),
              "<h2>Memory over one step</h2>", _plot(svg),

@@ -131,7 +131,8 @@ def render_analysis(console: Console, a, baseline=None) -> None:
                      "the rest not swapped), " if a.peak_in_host_stacks else "not swapped), ")
                   + f"{format_size(a.peak_from_calls)} returned by function calls (their bodies not counted)")
     if a.unknown_tensors:
-        t.add_row("unknown sizes", f"[yellow]{a.unknown_tensors} tensor(s) with unknown shape (counted as 0 bytes)[/]")
+        t.add_row("unknown sizes",
+                  f"[yellow]{a.unknown_tensors} tensor(s) of the step with unknown shape (counted as 0 bytes)[/]")
     console.print(t)
     if baseline is not None:
         render_chart(console, "Memory over one step (simulated)",
