@@ -5,7 +5,7 @@ process whose BFC allocator, the one GPUs use, has a hard limit; swaps go to a s
 
 * the original;
 * lms's plan at the smallest ``--gpu-mem`` at which ``lms rewrite --stand-in`` finds one (searched
-  upwards from the lower bound in steps of 10% of it; default reserve): planned in the order and
+  upwards from the lower bound to the original's need in 15 even steps; default reserve): planned in the order and
   with the kernel scratch observed on the stand-in, and judged by real runs there at that limit;
 * the TFLMS-style plan (``--strategy tflms``) at that limit, or the smallest above it it accepts.
 
@@ -43,8 +43,7 @@ GRAPHS = {
         ("residual MLP b4096 w512 (synthetic)", generated("synthetic", nodes=600, batch=4096, width=512)),
     ],
 }
-BUDGET_STEP = 0.10  # limits tried: lower bound x (1, 1.10, 1.20, ...)
-MAX_TRIES = 15
+MAX_TRIES = 15  # limits tried: from the lower bound to the original's need in this many even steps
 
 
 @dataclass
@@ -73,17 +72,19 @@ def _measure(stand_in, model, label: str, observation, extra: dict) -> Measured:
                     probes=len(need.probes), varies=need.varies, seconds=need.seconds, **extra)
 
 
-def _smallest_plan(prepared, bound: int, strategy: str, limit_from: int | None = None):
-    """(limit, TuneResult): the smallest limit, from the lower bound up, at which
-    ``lms rewrite --stand-in --gpu-mem LIMIT`` (default reserve) finds a plan: each plan is judged
-    by real runs on the stand-in under that limit."""
+def _smallest_plan(prepared, bound: int, need: int, strategy: str, limit_from: int | None = None):
+    """(limit, TuneResult): the smallest limit, from the lower bound (or ``limit_from``) up to the
+    original's ``need`` in :data:`MAX_TRIES` even steps, at which ``lms rewrite --stand-in
+    --gpu-mem LIMIT`` (default reserve) finds a plan: each plan is judged by real runs on the
+    stand-in under that limit. (Steps of 10% of the bound stopped short of the need once a
+    larger set of swappable tensors lowered the bound.)"""
     from lmscli import api
     from lmscli.device import STAND_IN_LINK
     from lmscli.errors import NoFitError
 
     start = limit_from or bound
     for k in range(MAX_TRIES):
-        limit = int(start * (1 + BUDGET_STEP * k)) // 2**20 * 2**20
+        limit = int(start + (need - start) * k / MAX_TRIES) // 2**20 * 2**20
         try:
             return limit, api.checked_tune(prepared, api.make_device(gpu_mem=limit, link=STAND_IN_LINK),
                                            api.TuneOptions(strategy=strategy))
@@ -107,15 +108,15 @@ def evaluate(label: str, spec, stand_in, log) -> dict:
     bound = api.analyze(prepared).lower_bound_bytes
     rows = [_measure(stand_in, model, "original", observation, {})]
     log(f"{label}: original needs {rows[0].min_limit_bytes:,} (predicted {rows[0].predicted_bytes:,})")
-    limit, lms_result = _smallest_plan(prepared, bound, "hybrid")
+    need = rows[0].min_limit_bytes
+    limit, lms_result = _smallest_plan(prepared, bound, need, "hybrid")
     plans = [("lms", limit, lms_result)]
     if lms_result is not None:
-        plans.append(("lms --strategy tflms", *_smallest_plan(prepared, bound, "tflms", limit)))
+        plans.append(("lms --strategy tflms", *_smallest_plan(prepared, bound, need, "tflms", limit)))
     with tempfile.TemporaryDirectory() as tmp:
         for what, limit, result in plans:
             if result is None:
-                rows.append(Measured(what, None, None, None, None, note="no plan within "
-                                     f"{1 + BUDGET_STEP * (MAX_TRIES - 1):.2f}x the lower bound"))
+                rows.append(Measured(what, None, None, None, None, note="no plan below the original's need"))
                 continue
             path = os.path.join(tmp, f"{what.split()[-1]}.meta")
             api.save(model, api.rewrite(prepared, result.plan)[0], path)
@@ -149,10 +150,10 @@ def markdown(results: list, seconds: float, quick: bool) -> str:
              "model of the graph TensorFlow runs, with the CPU kernels' scratch buffers measured once (a GPU "
              "would need the *GPU* figure, without them). *Grappler* is TensorFlow's static estimate plus "
              "variables. lms's plan is made by `lms rewrite --stand-in --gpu-mem LIMIT` (default reserve) at the "
-             "smallest LIMIT it accepts, from the lower bound up in steps of 10% (its judge ran each plan five "
-             "times under LIMIT on the stand-in); the TFLMS-style plan (`--strategy tflms`) at that limit or the "
-             "smallest above it that it accepts. *(varies)*: the search saw a limit fit once and fail "
-             "when confirmed (the executor's order differs between runs).", "",
+             "smallest LIMIT it accepts, from the lower bound up to the original's need in 15 even steps (its "
+             "judge ran each plan five times under LIMIT on the stand-in); the TFLMS-style plan "
+             "(`--strategy tflms`) at that limit or the smallest above it that it accepts. *(varies)*: the "
+             "search saw a limit fit once and fail when confirmed (the executor's order differs between runs).", "",
              "| graph | lower bound | what ran | measured | predicted | predicted vs measured | GPU "
              "figure | Grappler | × lower bound | × original |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
