@@ -264,16 +264,19 @@ def _order_sensitive_sum(view: GraphView, node: int, src: int, output: int) -> b
     sum, and with it the last bits. Two inputs commute exactly. A precaution taken from the
     kernel's code (the optimizer guard does not see it: the graph Grappler makes is the same).
 
-    Safe: a tensor read at a later input when input 0 is reused before and after the swap, i.e.
-    input 0's buffer has the sum as its only reader (then it is never swapped itself)::
+    Safe: a tensor read at a later input when the sum is the only reader of every input's buffer.
+    Then the kernel reuses input 0 before and after the swap, whichever input Grappler puts first
+    (it sorts a commutative op's inputs by name): the swapped one's swap-in, too, has the sum as
+    its only reader::
 
-        g0 (read only by AddN) --:0--> AddN <--:2-- g2 (swapped: its swap-in is read instead)
+        g0, g1 (read only by AddN) --:0,:1--> AddN <--:2-- g2 (swapped: its swap-in is read instead)
         order before and after: g0 + g1 + g2, accumulated in g0's buffer
     """
     if view.ops[node] not in SUM_OPS or len(view.data_inputs[node]) < 3:
         return False
     ports = [k for k, edge in enumerate(view.data_inputs[node]) if edge == (src, output)]
-    return view.ops[node] != "AddN" or 0 in ports or not _sole_reader(view, *view.data_inputs[node][0])
+    return (view.ops[node] != "AddN" or 0 in ports or len(ports) > 1
+            or not all(_sole_reader(view, s, o) for s, o in view.data_inputs[node]))
 
 
 _OWN_BUFFER_NEVER = frozenset({"Placeholder", "PlaceholderWithDefault", "ReadVariableOp"})

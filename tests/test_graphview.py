@@ -139,16 +139,17 @@ def test_gpu_keys(device, key):
     assert gpu_key(device) == key
 
 
-def test_a_later_input_of_a_sum_may_be_swapped_when_input_0_keeps_its_buffer():
+def test_a_later_input_of_a_sum_may_be_swapped_when_the_sum_alone_reads_its_inputs():
     """AddN accumulates into the first input whose buffer it may reuse: a swap of a later input
-    keeps the order of the sum only when input 0 is read by the sum alone (through forwarding
-    ops too); input 0 itself, and the inputs of a sum whose input 0 has other readers, stay."""
+    keeps the order of the sum when the sum is the only reader of every input's buffer (through
+    forwarding ops too), whichever input comes first; input 0 itself, and the inputs of a sum one
+    of whose inputs has another reader, stay."""
     from lmscli.candidates import _order_sensitive_sum
 
     def view(extra_reader: str | None):
         nodes = [("x", "Placeholder", [], None), ("g0", "Relu", ["x"], None), ("i0", "Identity", ["g0"], None),
-                 ("g1", "Relu", ["x"], None), ("g2", "Relu", ["x"], None),
-                 ("sum", "AddN", ["i0", "g1", "g2"], None), ("two", "AddN", ["g1", "g2"], None)]
+                 ("g1", "Relu", ["x"], None), ("g2", "Relu", ["x"], None), ("h1", "Relu", ["x"], None),
+                 ("sum", "AddN", ["i0", "g1", "g2"], None), ("two", "AddN", ["h1", "x"], None)]
         if extra_reader:
             nodes.append(("other", "Neg", [extra_reader], None))
         return GraphView(graph_def_from_nodes(nodes))
@@ -157,7 +158,7 @@ def test_a_later_input_of_a_sum_may_be_swapped_when_input_0_keeps_its_buffer():
     at = v.index
     assert not _order_sensitive_sum(v, at["sum"], at["g2"], 0) and not _order_sensitive_sum(v, at["sum"], at["g1"], 0)
     assert _order_sensitive_sum(v, at["sum"], at["i0"], 0)  # input 0 itself
-    assert not _order_sensitive_sum(v, at["two"], at["g1"], 0)  # two inputs commute exactly
-    for reader in ("i0", "g0"):  # input 0's buffer read elsewhere: another input may be reused
+    assert not _order_sensitive_sum(v, at["two"], at["h1"], 0)  # two inputs commute exactly
+    for reader in ("i0", "g0", "g1"):  # a buffer read elsewhere: which input is reused may change
         w = view(reader)
         assert _order_sensitive_sum(w, w.index["sum"], w.index["g2"], 0)
