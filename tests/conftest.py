@@ -54,6 +54,20 @@ def graph_def_from_nodes(nodes):
     return graph
 
 
+def densenet_meta(path) -> Path:
+    """The DenseNet-style net of ``make bench`` (b8 64², 3 blocks of 4 layers, growth 24), built
+    by the sample generator and written to ``path``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lms_generate", SAMPLES / "generate.py")
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    path = Path(path)
+    path.write_bytes(generate.build("densenet", batch=8, image_size=64, growth=24, blocks=3,
+                                    layers_per_block=4).SerializeToString(deterministic=True))
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_graph_def():
     """A small valid float graph: x -> relu -> identity (a frozen-style GraphDef)."""

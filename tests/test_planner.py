@@ -359,21 +359,13 @@ def test_gradients_waiting_at_a_join_are_swapped_through_identities_grappler_rem
     wait at AddN joins, read through tf.gradients' ``tuple/control_dependency`` Identities, which
     Grappler removes. Such an Identity's output is swapped like any tensor (its consumers read the
     swap-in; Grappler still removes the Identity), and a later input of an AddN of three or more is
-    swapped when input 0 keeps its own buffer (the kernel accumulates into it either way). Before,
+    swapped when the sum alone reads every input (the kernel accumulates into input 0 either way). Before,
     neither was: no plan at 40% of the peak (lower bound 62.3 MiB, budget 61.9 MiB; now 56.3)."""
-    import importlib.util
-
     from lmscli.simulator import simulate
-    from tests.conftest import SAMPLES
+    from tests.conftest import densenet_meta
     from tests.test_recompute import _identical
 
-    spec = importlib.util.spec_from_file_location("lms_generate", SAMPLES / "generate.py")
-    generate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(generate)
-    path = tmp_path / "densenet.meta"
-    path.write_bytes(generate.build("densenet", batch=8, image_size=64, growth=24, blocks=3,
-                                    layers_per_block=4).SerializeToString(deterministic=True))
-    model = api.load(str(path))
+    model = api.load(str(densenet_meta(tmp_path / "densenet.meta")))
     prepared = api.prepare(model)
     device = api.make_device(gpu_mem=int(simulate(prepared.schedule).peak_bytes * 0.4))
     result = api.tune(prepared, device)

@@ -285,17 +285,9 @@ def test_recomputations_read_sources_brought_back_by_a_swap_in(tmp_path):
     recomputations that read their input from a swap-in the plan makes anyway (a batch norm and
     ReLU made again from a concatenation brought back for the convolution's gradient): fewer bytes
     on the link, the same budget, bit-identical training."""
-    import importlib.util
+    from tests.conftest import densenet_meta
 
-    from tests.conftest import SAMPLES
-
-    spec = importlib.util.spec_from_file_location("lms_generate", SAMPLES / "generate.py")
-    generate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(generate)
-    path = tmp_path / "densenet.meta"
-    path.write_bytes(generate.build("densenet", batch=8, image_size=64, growth=24, blocks=3,
-                                    layers_per_block=4).SerializeToString(deterministic=True))
-    model = api.load(str(path))
+    model = api.load(str(densenet_meta(tmp_path / "densenet.meta")))
     prepared = api.prepare(model)
     device = api.make_device(gpu_mem=int(prepared.run_peak_bytes * 0.5), reserve=0.0, link="pcie3")
     swap = api.tune(prepared, device, TuneOptions(strategy="swap"), check=False)
