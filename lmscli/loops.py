@@ -153,7 +153,18 @@ def notes(view: GraphView, active, loops: dict[str, Loop]) -> tuple[str, ...]:
         out.append(f"{len(unknown)} loop(s) with a trip count lms cannot read ({', '.join(unknown[:3])}"
                    f"{', ...' if len(unknown) > 3 else ''}): counted for one iteration, so what they keep is "
                    "underestimated")
+    parallel = max((_parallel_iterations(view, i) for i in active if view.frames[i]
+                    and view.ops[i] in ("Enter", "RefEnter")), default=1)
+    if parallel > 1:
+        out.append(f"up to {parallel} iterations of a loop may run at once (its parallel_iterations), and lms counts "
+                   "the temporaries of one: a loop's need can be higher than predicted (a TensorFlow 2 `tf.range` "
+                   "loop needed twice its prediction on the stand-in; see the README's known limits)")
     return tuple(out)
+
+
+def _parallel_iterations(view: GraphView, enter: int) -> int:
+    attr = view.node_defs[enter].attr
+    return int(attr["parallel_iterations"].i) if "parallel_iterations" in attr else 1
 
 
 # ---------------------------------------------------------------------------- internals

@@ -138,6 +138,8 @@ def test_batch_size_changes_nothing_when_every_batch_dimension_is_known(samples)
 def test_control_flow_is_found(samples, tmp_path):
     loop, _ = _analyze(samples / "while_rnn.meta")
     assert loop.while_loops >= 1 and loop.conds == 0  # a loop's own Switches are not conds
+    # (tf.while_loop runs up to 10 iterations at once; their temporaries are counted for one)
+    assert any("up to 10 iterations of a loop may run at once" in note for note in loop.notes)
     cond, _ = _analyze(samples / "cond_cnn.meta")
     assert cond.conds >= 1
     # A cond inside a loop's body (QA: "0 cond switch(es)" for an LSTM with one).
