@@ -170,7 +170,6 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
                     trace=trace, dead=dead, untaken=untaken)
 
 
-@timed("judge")
 def _with_shapes(view: GraphView, shapes: dict) -> GraphView:
     """``view`` with the outputs TensorFlow's shape inference leaves unknown given the shapes
     Grappler's inference found (``(node, output) -> dims``, fully known), where they agree with
@@ -197,6 +196,7 @@ def _with_shapes(view: GraphView, shapes: dict) -> GraphView:
     return view if out is None else view.with_tensors(out)
 
 
+@timed("judge")
 def _filled(tensors: dict, known: dict) -> dict:
     """``tensors`` with the sizes ``known`` has for outputs of the same node it leaves unknown."""
     out = dict(tensors)

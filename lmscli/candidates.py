@@ -213,8 +213,7 @@ def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters()
             continue
         # (TFLMS swapped neither: its style of plan leaves them, see planner.tflms_swaps)
         beyond = (view.names[node] in fused and removed_alias(view, node)) or any(
-            view.ops[schedule.nodes[c]] in SUM_OPS and len(view.data_inputs[schedule.nodes[c]]) >= 3
-            for c in t.consumers)
+            _long_sum(view, schedule.nodes[c]) for c in t.consumers)
         if not filters.producer_ok(view.names[node], op):
             continue
         rewirable, pinned = [], []
@@ -272,11 +271,16 @@ def _order_sensitive_sum(view: GraphView, node: int, src: int, output: int) -> b
         g0, g1 (read only by AddN) --:0,:1--> AddN <--:2-- g2 (swapped: its swap-in is read instead)
         order before and after: g0 + g1 + g2, accumulated in g0's buffer
     """
-    if view.ops[node] not in SUM_OPS or len(view.data_inputs[node]) < 3:
+    if not _long_sum(view, node):
         return False
     ports = [k for k, edge in enumerate(view.data_inputs[node]) if edge == (src, output)]
     return (view.ops[node] != "AddN" or 0 in ports or len(ports) > 1
             or not all(_sole_reader(view, s, o) for s, o in view.data_inputs[node]))
+
+
+def _long_sum(view: GraphView, node: int) -> bool:
+    """An AddN (or AccumulateNV2) of three or more tensors: the order of its sum can change."""
+    return view.ops[node] in SUM_OPS and len(view.data_inputs[node]) >= 3
 
 
 _OWN_BUFFER_NEVER = frozenset({"Placeholder", "PlaceholderWithDefault", "ReadVariableOp"})

@@ -162,12 +162,13 @@ def notes(view: GraphView, active, loops: dict[str, Loop]) -> tuple[str, ...]:
     return tuple(out)
 
 
+# ---------------------------------------------------------------------------- internals
 def _parallel_iterations(view: GraphView, enter: int) -> int:
+    """An ``Enter``'s ``parallel_iterations`` (1 when it has none)."""
     attr = view.node_defs[enter].attr
     return int(attr["parallel_iterations"].i) if "parallel_iterations" in attr else 1
 
 
-# ---------------------------------------------------------------------------- internals
 def total_trips(view: GraphView, frame: str, loops: dict[str, Loop]) -> int | None:
     """Iterations of ``frame`` over one step: its trips times those of the loops around it."""
     total = 1

@@ -100,7 +100,6 @@ class _Context:
 
     def __init__(self, prepared: Prepared, device: Device, filters: Filters, forbidden: frozenset = frozenset()):
         self.prepared = prepared
-        self.tflms_wide = False  # TFLMS-style plans may swap what TFLMS did not (see _tflms_candidate)
         self.view = prepared.view
         self.schedule: Schedule = prepared.schedule
         self.device = device
@@ -742,7 +741,7 @@ def tflms_swaps(ctx: _Context, params: TflmsParams) -> list[SimSwap]:
     for tid in sorted(ctx.cands):
         cand = ctx.cands[tid]
         t = sched.tensors[tid]
-        if cand.shares or (cand.beyond_tflms and not ctx.tflms_wide) or sched.ops[t.producer] in COND_PRODUCERS:
+        if cand.shares or sched.ops[t.producer] in COND_PRODUCERS:
             continue  # (TFLMS swapped neither forwarded buffers nor control-flow outputs)
         lp = levels[t.producer]
         far = [c for c in cand.rewirable if levels[c] - lp > params.swapout_threshold]
@@ -969,7 +968,7 @@ def _tune_on(prepared: Prepared, device: Device, options: TuneOptions, margin: i
                    f"iteration's value out and each pop one back: {format_size(sum(h.copy_bytes for h in host_stacks))} "
                    "each way per step)")
     if options.strategy == "tflms" and options.tflms is not None:
-        swaps = tflms_swaps(ctx, options.tflms)
+        swaps = tflms_swaps(ctx.narrowed(), options.tflms)  # (what TFLMS itself swapped)
         result = ctx.simulate(swaps)
         params = options.tflms.__dict__.copy()
         necessary = True
@@ -994,7 +993,7 @@ def _tune_on(prepared: Prepared, device: Device, options: TuneOptions, margin: i
             raise ValueError(f"unknown strategy {options.strategy!r}")
         if options.strategy == "tflms":
             try:
-                swaps, chosen, result = plan_tflms(ctx, budget_act, log, ctx.sync_mode(options.sync_mode))
+                swaps, chosen, result = plan_tflms(ctx.narrowed(), budget_act, log, ctx.sync_mode(options.sync_mode))
             except _Stuck as stuck:
                 raise NoFitError(_stuck_message(ctx, stuck, "tflms", budget_act, lb), bound_bytes=lb,
                                  binding_op=sched.names[stuck.position], budget_bytes=budget) from None
@@ -1284,20 +1283,13 @@ def _sources_back(ctx: _Context, recipe, current: dict, trig: int, result: SimRe
 
 
 def _tflms_candidate(ctx: _Context, budget_act: int, options: TuneOptions, found: list) -> None:
-    """TFLMS's search as a second candidate; where it finds nothing, the same search over the
-    tensors TFLMS did not swap as well (:attr:`lmscli.candidates.Candidate.beyond_tflms`)."""
-    for wide in (False, True):
-        if wide and not any(c.beyond_tflms for c in ctx.cands.values()):
-            return
-        ctx.tflms_wide = wide
-        try:
-            swaps, chosen, result = plan_tflms(ctx, budget_act, [], ctx.sync_mode(options.sync_mode))
-            found.append(("tflms", swaps, result, {"tflms_search": chosen.__dict__}, []))
-            return
-        except _Stuck:
-            pass
-        finally:
-            ctx.tflms_wide = False
+    """TFLMS's search over ``ctx``'s candidates as a second candidate (over TFLMS's own set first,
+    then over all of them, as :func:`_tune_on` passes the narrowed context, then the full one)."""
+    try:
+        swaps, chosen, result = plan_tflms(ctx, budget_act, [], ctx.sync_mode(options.sync_mode))
+        found.append(("tflms", swaps, result, {"tflms_search": chosen.__dict__}, []))
+    except _Stuck:
+        pass
 
 
 def _guard_words(options: TuneOptions, view) -> str:
