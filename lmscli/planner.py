@@ -203,6 +203,20 @@ class _Context:
         branches of the tensor (:meth:`tensor_tags`), which ``p`` must run in too."""
         return self.can_edge[p] and not self.absorbed[p] and branch_safe(self.tensor_tags(tid), self.tags[p])
 
+    def waiter(self, p: int, tid: int, after: int) -> int | None:
+        """The op to wait for the swap-out of tensor ``tid`` so that its GPU copy is gone when the
+        op at ``p`` starts: ``p`` itself if it may (:meth:`can_wait`), else its latest ancestor
+        after position ``after`` that may. A tensor made in a v1 cond branch is waited for inside
+        that branch (QA: a cond net's stand-in search stuck at an op after the cond, which may not
+        wait for a swap-out that never runs when the other branch is taken)::
+
+            branch/Conv2D --> swap-out (true branch) - - -> branch/Conv2D_3 (true branch) --> Merge --> p
+        """
+        if self.can_wait(p, tid):
+            return p
+        found = self.walk_ancestors(p, keep=lambda q: q > after, accept=lambda q: self.can_wait(q, tid))
+        return None if found is CAPPED else found
+
     def tensor_tags(self, tid: int) -> frozenset:
         """The v1 cond branches an op reading tensor ``tid`` runs in: its producer's, and for an
         output of a cond's Switch, the branch that output opens (QA: a swap-out of ``Switch:1``
@@ -373,17 +387,14 @@ def _gap_swap(ctx: _Context, cand: Candidate, p: int, result: SimResult,
     lo = bisect.bisect_left(starts, freed_at)
     waiters: tuple[int, ...] = ()
     stall = 0
-    if ctx.waited_out:
-        # The swap-out leaves when p waits for it: p waits for the whole transfer.
-        if not ctx.can_wait(p, t.id):
+    if ctx.waited_out or lo > p:
+        # The swap-out leaves when p (or an ancestor of p, ctx.waiter) waits for it; on the
+        # stand-in that op waits for the whole transfer, else for what is left of it (a stall).
+        w = ctx.waiter(p, t.id, near[-1] if near else t.producer)
+        if w is None:
             return None
-        waiters, lo, stall = (p,), p, transfer
-    elif lo > p:
-        # The transfer cannot be done before p starts: p waits for the swap-out (a stall).
-        if not ctx.can_wait(p, t.id):
-            return None
-        waiters, lo = (p,), p
-        stall = freed_at - starts[p]
+        stall = transfer if ctx.waited_out else max(0, freed_at - starts[w])
+        waiters, lo = (w,), w
     v = far[0]
     earliest = near[-1] if near else t.producer
     # Latest trigger whose end leaves the transfer time before v starts (no stall) ...
@@ -698,9 +709,8 @@ def _us(seconds: float) -> int:
 
 def _late_free(ctx: _Context, chosen: dict, p: int, judged: _Judged) -> _Choice | None:
     """A swapped tensor whose GPU copy is still held at ``p`` because its swap-out is late
-    (the device-to-host stream is busy): make ``p`` wait for that swap-out."""
-    if not ctx.can_edge[p]:
-        return None
+    (the device-to-host stream is busy, or on the stand-in its waiter comes after ``p``): make
+    ``p``, or the ancestor of ``p`` that may (:meth:`_Context.waiter`), wait for that swap-out."""
     result, out_end = judged.result, judged.out_end
     best = None
     for tid in sorted(chosen):
@@ -710,7 +720,8 @@ def _late_free(ctx: _Context, chosen: dict, p: int, judged: _Judged) -> _Choice 
             continue
         if p in swap.waiters or (swap.near and swap.near[-1] >= p) or ctx.schedule.tensors[tid].producer >= p:
             continue
-        if not ctx.can_wait(p, tid):
+        w = ctx.waiter(p, tid, swap.near[-1] if swap.near else ctx.schedule.tensors[tid].producer)
+        if w is None or w in swap.waiters:
             continue
         if swap.groups and swap.groups[0].trigger < p:
             continue
@@ -718,8 +729,8 @@ def _late_free(ctx: _Context, chosen: dict, p: int, judged: _Judged) -> _Choice 
             continue
         if best is None or c.size > best.size:
             best = _Choice(SimSwap(swap.tensor, swap.near, swap.groups, swap.sync_out,
-                                   tuple(sorted(swap.waiters + (p,)))), p, c.hi, c.size,
-                           c.stall + out_end[tid] - result.starts[p])
+                                   tuple(sorted(swap.waiters + (w,)))), w, c.hi, c.size,
+                           c.stall + max(0, out_end[tid] - result.starts[w]))
     return best
 
 

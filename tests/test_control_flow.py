@@ -257,3 +257,64 @@ def test_a_loops_ops_take_time_for_every_iteration(samples, monkeypatch):
     assert looped
     assert all(scaled.compute[k] == 128 * once.compute[k] for k in looped)
     assert all(scaled.compute[k] == once.compute[k] for k, node in enumerate(once.nodes) if not view.frames[node])
+
+
+def _cond_then_conv(path):
+    """A stem, a cond whose true branch is three 3x3 convolutions with ReLU, then a 3x3
+    convolution after the cond: its gradient runs before the branch's, while the branch's
+    activations wait for theirs."""
+    with v1_training_graph(path) as (tf, v1, graph):
+        x = v1.placeholder(tf.float32, [4, 32, 32, 8], name="images")
+        flag = v1.placeholder_with_default(True, [], name="use_big")
+        init = v1.glorot_uniform_initializer(seed=3)
+
+        def conv(h, n, name):
+            w = v1.get_variable(name, [3, 3, int(h.shape[-1]), n], initializer=init)
+            return tf.nn.relu(tf.nn.conv2d(h, w, 1, "SAME", name=f"{name}_conv"))
+
+        h = conv(x, 16, "stem")
+
+        def big():
+            t = h
+            for i in range(3):
+                t = conv(t, 32 if i < 2 else 16, f"big{i}")
+            return t
+
+        def small():
+            return conv(h, 16, "small")
+
+        out = conv(v1.cond(flag, big, small, name="branch"), 16, "after")
+        graph.loss = tf.reduce_mean(tf.square(out))
+    return path
+
+
+def test_on_the_stand_in_a_branchs_activations_are_waited_for_inside_the_branch(tmp_path):
+    """On the CPU stand-in a swap-out leaves only when an op waits for it. QA (a cond net, its CPU
+    convolution gradient after the cond needing a 24 MiB scratch): no --stand-in plan at any
+    budget, stuck at that gradient, because the op stuck there runs outside the cond and may not
+    wait for a swap-out made in a branch. Now a later op of the branch, an ancestor of the stuck
+    op, waits for it; both branches train bit-identically."""
+    model = api.load(str(_cond_then_conv(tmp_path / "cond_conv.meta")))
+    prepared = api.prepare(model)
+    view = prepared.view
+    grad = next(view.names[i] for i in range(len(view.names))
+                if view.ops[i] == "Conv2DBackpropFilter" and view.names[i].startswith("gradients/after_conv"))
+    scratch = 1 << 20  # as a CPU kernel's scratch, observed on the stand-in
+    seen = prepared.observed((), scratch={grad: scratch})
+    assert seen.schedule.waited_sends
+    facts = api.analyze(seen)
+    assert facts.peak_op == grad
+    budget = (facts.lower_bound_bytes + facts.peak_bytes) // 2
+    result = api.tune(seen, api.make_device(gpu_mem=budget, reserve=0.0), check=False)
+    assert result.fits
+    tags = view.branch_tags()
+    made_in_branch = [s for s in result.plan.swaps if tags[view.index[s.tensor.rsplit(":", 1)[0]]]]
+    assert made_in_branch
+    for swap in made_in_branch:  # waited for in the branch the tensor was made in
+        source = tags[view.index[swap.tensor.rsplit(":", 1)[0]]]
+        assert swap.waiters and all(branch_safe(source, tags[view.index[w]]) for w in swap.waiters)
+    new_graph, _report = api.rewrite(seen, result.plan)
+    for value in (True, False):
+        before = steps.run_steps(_with_predicate(model.meta_graph, value), model.fetches, steps=2)
+        rewritten = steps.run_steps(_with_predicate(new_graph, value), model.fetches, steps=2)
+        assert steps.first_difference(before, rewritten) is None, f"predicate {value}"
