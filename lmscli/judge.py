@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from lmscli import timing
 from lmscli.analysis import Prepared
 from lmscli.device import Device
@@ -126,13 +128,28 @@ def stand_in_need(prepared: Prepared, rewritten, device: Device) -> int:
     differently). So the judge runs the step under the very limit it will be proven at, and
     treats runs whose peak in use leaves less than half the reserve (at least 1 MiB) free as not
     fitting by that much: a QA Inception plan that trained 5 times at 98% of its limit then ran
-    out of memory in `lms verify`."""
+    out of memory in `lms verify`. Runs that leave less than the whole reserve free are repeated
+    once more as many times before they count."""
     from lmscli.prove.standin import MIB
 
     limit = max(MIB, device.gpu_mem // MIB * MIB)
     timing.step(f"running the rewritten step on the stand-in under {format_size(limit)}")
-    verdict = prepared.stand_in.run(rewritten, prepared.model.fetches, limit, batch_size=prepared.batch_size or 1,
-                                    runs=STAND_IN_JUDGE_RUNS, steps=STAND_IN_JUDGE_STEPS, peak=True)
+    stand_in = prepared.stand_in
+
+    def runs():
+        return stand_in.run(rewritten, prepared.model.fetches, limit, batch_size=prepared.batch_size or 1,
+                            runs=STAND_IN_JUDGE_RUNS, steps=STAND_IN_JUDGE_STEPS, peak=True)
+
+    verdict = runs()
+    if verdict.fits and verdict.peak_bytes is not None and verdict.peak_bytes > limit - max(MIB, int(limit * device.reserve)):
+        # Less than the whole reserve free at the peak: as many runs again before saying it fits (QA:
+        # a decoder plan with 1.2 MiB free under 20 MiB passed five runs, then failed 1 verify run in 18).
+        timing.step(f"the step trained with little room left: {STAND_IN_JUDGE_RUNS} more runs")
+        more = runs()
+        verdict = replace(more, runs=verdict.runs + more.runs, varies=more.varies or not more.fits,
+                          seconds=verdict.seconds + more.seconds,
+                          peak_bytes=max(verdict.peak_bytes, more.peak_bytes or 0))
+        stand_in.last_verdict = verdict
     if verdict.fits:
         # Runs that fit with little room left fail in some later run (the allocator's chunks split
         # differently): the peak in use must leave half the reserve free (at least 1 MiB).
