@@ -13,7 +13,6 @@ from lmscli.errors import EXIT_DIFFERENT, InputError, LmsError
 from lmscli.prove.steps import (GPU_COPY_OPS, SCHEMA_VERSION, Difference, _check_cpu_kernels, compare, default_loss,
                                 map_gpu_ops, place_on_cpu, rewrite_batch_size, run_steps)
 from lmscli.rewriter import RECOMPUTE
-from lmscli.units import format_size
 
 
 class DifferentResults(LmsError):
@@ -31,7 +30,6 @@ class GraphFigures:
     simulated_peak_bytes: int | None  # the simulator's peak, resident variables included
     grappler_peak_bytes: int | None  # Grappler's tensor peak + variable bytes
     swap_nodes: int
-    simulated_forwarding_peak_bytes: int | None = None  # simulated, forwarded buffers counted once
     variable_bytes: int | None = None  # declared variable storage (the simulator's resident variables)
     run_peak_bytes: int | None = None  # predicted for the graph TensorFlow runs (Grappler-optimized)
     recompute_nodes: int = 0  # nodes of recomputations: clones (``Q-lms-recompute-0``), gates, done
@@ -50,7 +48,6 @@ class GraphFigures:
                 "measured_peak_node": m.peak_node if m else None,
                 "simulated_peak_bytes": self.simulated_peak_bytes,
                 "grappler_peak_bytes": self.grappler_peak_bytes,
-                "simulated_forwarding_peak_bytes": self.simulated_forwarding_peak_bytes,
                 "variable_bytes": self.variable_bytes,
                 "run_peak_bytes": self.run_peak_bytes,
                 "swap_nodes": self.swap_nodes, "recompute_nodes": self.recompute_nodes}
@@ -100,7 +97,7 @@ def _figures(model, fetches, batch_size, measure: bool, notes: list, label: str,
     """(meta graph to run, GraphFigures) for a loaded model, with the step running ``fetches``."""
     from lmscli import api, grappler
     from lmscli.hoststacks import STACK_OPS
-    from lmscli.prove.measure import forwarding_peak, measure_peak
+    from lmscli.prove.measure import measure_peak
     from lmscli.simulator import simulate
 
     gpu_ops = {node.name: node.op for node in model.graph_def.node if node.op in GPU_COPY_OPS}
@@ -145,8 +142,7 @@ def _figures(model, fetches, batch_size, measure: bool, notes: list, label: str,
         measured = measure_peak(meta, model.fetches, batch_size or 1, order=order)
         notes.extend(f"{label}: {n}" for n in measured.notes)
     figures = GraphFigures(measured, simulated, grappler_peak, len(placed.swap_outs) + len(placed.swap_ins),
-                           forwarding_peak(schedule) + schedule.resident_bytes, schedule.variable_bytes,
-                           prepared.run_peak_bytes,
+                           schedule.variable_bytes, prepared.run_peak_bytes,
                            sum(1 for node in meta.graph_def.node if RECOMPUTE in node.name))
     return meta, figures
 
@@ -191,14 +187,10 @@ def verify(original, rewritten, steps: int = 2, batch_size: int | None = None, m
         if ratio is None or abs(ratio - 1.0) <= 0.15 or any(n.startswith(f"{label}: ") and "gradient stack(s) placed"
                                                             in n for n in notes):
             continue
-        forwarding = fig.simulated_forwarding_peak_bytes
-        text = (f"{label}: the measured peak is {ratio:.0%} of the simulated one; with the outputs of forwarding ops "
-                f"(Identity, ReadVariableOp, Reshape) sharing their input's buffer, as TensorFlow does, the "
-                f"simulated peak is {format_size(forwarding)}")
-        if forwarding and abs(fig.measured.peak_bytes / forwarding - 1.0) <= 0.15:
-            text += ", within 15% of the measurement"
-        else:
-            text += ", which does not explain the gap"
-        notes.append(text)
+        # (QA: a note here once replayed the schedule with forwarded buffers shared, which the executor
+        # model already does, and gave a figure above the simulation for rewritten graphs)
+        notes.append(f"{label}: the measured peak is {ratio:.0%} of the simulated one (lms's model of TensorFlow's "
+                     "executor, in the order measured: forwarded and in-place buffers shared); "
+                     "`lms measure` gives the real need on the stand-in GPU")
     return Verification(diff is None, diff, steps, batch_size, loss, len(a.variables), fetches,
                         figures_a, figures_b, tuple(notes), len(a.outputs[0]) if a.outputs else 0)
