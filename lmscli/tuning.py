@@ -291,11 +291,6 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
                                            "steps": STAND_IN_JUDGE_STEPS, "fits": verdict.fits,
                                            "peak_in_use_bytes": verdict.peak_bytes, "failure": verdict.message}
                     search.note = verdict.message
-                    if verdict.fits and peak > device.budget and verdict.peak_bytes and verdict.limit_bytes:
-                        free = verdict.limit_bytes - verdict.peak_bytes  # (the allocator may round past the limit)
-                        room = f"only {format_size(free)} free" if free > 0 else "nothing free"
-                        search.note = (f"trained, but with {room} at its peak under {format_size(verdict.limit_bytes)} "
-                                       "(too little to hold in every run)")
                 result = replace(result, plan=replace(result.plan, predicted=figures))
                 step = search.judged(result, peak)
                 timing.step(f"round {rounds}: the graph TensorFlow runs needs {format_size(peak)} "

@@ -184,7 +184,7 @@ def test_an_attention_model_is_proven_under_a_hard_limit(attention, tmp_path):
     assert plan["swaps"] and landings  # stand-in swap-ins land at a fixed place
     judged = plan["predicted"]["stand_in"]  # the judge's real runs, recorded in the plan
     assert judged["fits"] and judged["limit_bytes"] == 15 * MIB
-    # five runs, and five more when the peak left less than the reserve (1.5 MiB) free
+    # five runs, and five more under 14 MiB when the peak left less than the reserve (1.5 MiB) free
     tight = judged["peak_in_use_bytes"] > 15 * MIB - int(1.5 * MIB)
     assert judged["runs"] == api.STAND_IN_JUDGE_RUNS * (2 if tight else 1)
     assert 0 < judged["peak_in_use_bytes"] <= 15 * MIB
@@ -263,10 +263,12 @@ def test_time_limit_settles_before_another_round_of_real_runs(residual, monkeypa
     assert result.fits and len(rounds) == 2  # (without the limit, the swap planner's search runs a third)
 
 
-def test_the_judge_runs_a_tight_step_again_before_it_says_it_fits():
+def test_a_step_with_little_room_left_must_also_fit_with_half_the_reserve_less():
     """QA: a decoder plan left 1.2 MiB free under 20 MiB in the judge's five runs, then ran out of
-    memory in 1 of 18 `lms verify` runs. A step that leaves less than the reserve free is run as
-    many times again; a failure among those runs is a failure."""
+    memory in 1 of 18 `lms verify` runs; a two-loss net showed 53.9 of 54 MiB in use in every run
+    (BFC hands a convolution's 30 MiB scratch a larger free chunk whole) and was refused, yet it
+    trains under 51. A step that leaves less than the reserve free is judged by as many runs
+    again under the limit less half the reserve."""
     from types import SimpleNamespace
 
     from lmscli import judge
@@ -274,26 +276,28 @@ def test_the_judge_runs_a_tight_step_again_before_it_says_it_fits():
 
     class Fake:
         def __init__(self, verdicts):
-            self.verdicts, self.calls, self.last_verdict = list(verdicts), 0, None
+            self.verdicts, self.limits, self.last_verdict = list(verdicts), [], None
 
         def run(self, meta, fetches, limit, **kw):
-            self.calls += 1
+            self.limits.append(limit)
             self.last_verdict = self.verdicts.pop(0)
             return self.last_verdict
 
-    def verdict(fits, peak):
-        return StepVerdict(fits, 20 * MIB, 5 if fits else 3, 0 if fits else 1, False, None,
-                           None if fits else "out of memory", None, 1.0, peak)
+    def verdict(fits, peak, need=None):
+        return StepVerdict(fits, None, 5 if fits else 3, 0 if fits else 1, False, None,
+                           None if fits else "out of memory", None, 1.0, peak, None, need)
 
-    device = api.make_device(gpu_mem=20 * MIB, reserve=0.1)  # budget 18 MiB
-    for first, second, calls, fits in ((verdict(True, 16 * MIB), None, 1, True),  # 4 MiB free: five runs
-                                       (verdict(True, int(18.8 * MIB)), verdict(True, int(18.5 * MIB)), 2, True),
-                                       (verdict(True, int(18.8 * MIB)), verdict(False, None), 2, False)):
-        fake = Fake([v for v in (first, second) if v is not None])
+    device = api.make_device(gpu_mem=20 * MIB, reserve=0.1)  # budget 18 MiB; half the reserve: 1 MiB
+    cases = (([verdict(True, 16 * MIB)], [20], True),  # 4 MiB free: five runs are enough
+             ([verdict(True, int(18.8 * MIB)), verdict(True, int(18.5 * MIB))], [20, 19], True),
+             ([verdict(True, 20 * MIB), verdict(False, None, int(19.5 * MIB))], [20, 19], False),
+             ([verdict(False, None, 21 * MIB)], [20], False))
+    for verdicts, limits, fits in cases:
+        fake = Fake(verdicts)
         prepared = SimpleNamespace(stand_in=fake, model=SimpleNamespace(fetches=()), batch_size=1)
         need = judge.stand_in_need(prepared, None, device)
-        assert fake.calls == calls
-        assert (need <= device.budget) == (fits and first.peak_bytes <= 19 * MIB)
-        assert fake.last_verdict.fits == fits
-        if calls == 2:
-            assert fake.last_verdict.runs == 5 + second.runs and fake.last_verdict.peak_bytes == int(18.8 * MIB)
+        assert [x // MIB for x in fake.limits] == limits
+        assert (need <= device.budget) == fits
+        if len(limits) == 2:  # recorded as one verdict at the limit, of both sets of runs
+            assert fake.last_verdict.limit_bytes == 20 * MIB and fake.last_verdict.runs == 5 + verdicts[1].runs
+            assert fake.last_verdict.fits == fits and (fits or "19.00 MiB" in fake.last_verdict.message)
