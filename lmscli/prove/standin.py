@@ -29,14 +29,20 @@ TensorFlow's 10 s retry.
 
 Measured here (2 cores): the zygote starts in 2-4 s, once; a pair of servers in 0.03-0.08 s; a run
 that fits takes 0.2-0.6 s on the small samples (about 4.5 s on the ResNet-50 sample, whose log is
-4 MB), one that runs out of memory as long as the step up to it. CPU convolution backprop kernels
-allocate their scratch from the same allocator (27 MiB for a Conv2DBackpropFilter of the CNN
-sample): it counts, as cuDNN workspaces would on a GPU, and at small shapes it sets the minimum.
+4 MB), one that runs out of memory as long as the step up to it.
+
+Convolution gradients run TensorFlow's Eigen kernels on the stand-in (:func:`scratchless`). The
+CPU's default ones take a col buffer of up to 30 MiB from the allocator while they run, which must
+find one free chunk: on small conv nets it set the step's need (a two-loss net needed 54 MiB with
+them, 29 without) and made every plan between the lower bound and the need run out of memory in
+some runs for lack of one large enough hole, where a GPU's cuDNN picks an algorithm whose
+workspace fits what is free.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import math
 import os
@@ -442,7 +448,39 @@ def place(meta_graph):
             on_host = _explicit_cpu(node.device)
         node.device = HOST_DEVICE if on_host else STANDIN_DEVICE
     _check_cpu_kernels(meta.graph_def)
-    return meta
+    return scratchless(meta)
+
+
+# The label of TensorFlow's CPU convolution gradient kernels that use Eigen's tensor contractions
+# (no col buffer); the default kernels ("custom") take a col buffer of up to 30 MiB while they run.
+EIGEN_LABEL = "eigen_tensor"
+
+
+@functools.lru_cache(maxsize=1)
+def _labelled_ops() -> frozenset:
+    """The ops with a CPU kernel labelled :data:`EIGEN_LABEL` in this TensorFlow."""
+    from tensorflow.python.framework import kernels
+
+    ops = ("Conv2DBackpropFilter", "Conv2DBackpropInput", "Conv3DBackpropFilter", "Conv3DBackpropFilterV2",
+           "Conv3DBackpropInput", "Conv3DBackpropInputV2")
+    return frozenset(op for op in ops if any(k.device_type == "CPU" and k.label == EIGEN_LABEL
+                                             for k in kernels.get_registered_kernels_for_op(op).kernel))
+
+
+def scratchless(meta_graph):
+    """``meta_graph`` (changed in place, and returned) with its convolution gradients on the stand-in
+    asking for TensorFlow's Eigen kernels (the ``_kernel`` attribute picks a labelled kernel):
+    computed without a col buffer, as a GPU's cuDNN computes them within the workspace that fits.
+    Both graphs a proof compares run the same kernels::
+
+        Conv2DBackpropFilter (CPU default: a col buffer of up to 30 MiB while it runs)
+        Conv2DBackpropFilter {_kernel: "eigen_tensor"} (no col buffer)
+    """
+    labelled = _labelled_ops()
+    for node in meta_graph.graph_def.node:
+        if node.op in labelled and node.device == STANDIN_DEVICE and "_kernel" not in node.attr:
+            node.attr["_kernel"].s = EIGEN_LABEL.encode()
+    return meta_graph
 
 
 @dataclass
