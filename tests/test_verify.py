@@ -389,3 +389,23 @@ def test_an_unused_placeholder_of_unknown_size_needs_no_batch_size(tmp_path):
     result = _run(path, path, "--no-measure", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["identical"] is True
+
+
+def test_a_savers_identity_on_the_host_is_no_swap_node():
+    """QA: every verify of a TF1 SavedModel noted "1 of 1 swap nodes did not run (save/Identity)":
+    the saver's Identity of the checkpoint path sits on the host and reads a string constant on
+    the stand-in, as a hand-made swap-out reads a tensor. A string is nobody's swap."""
+    from lmscli.prove.steps import place_on_cpu
+
+    tf = tensorflow()
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.constant([1.0, 2.0], name="x")
+        path = tf.constant("ckpt", name="path")
+        with tf.device("/device:CPU:0"):
+            tf.identity(x, name="x-swapout")
+            tf.identity(path, name="save/Identity")
+        meta = tf.compat.v1.train.export_meta_graph(graph=graph)
+    placed = place_on_cpu(meta, copies=True)
+    assert list(placed.swap_outs) == ["x-swapout"]
+    assert not placed.notes

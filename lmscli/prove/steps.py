@@ -118,6 +118,8 @@ def place_on_cpu(meta_graph, copies: bool = False) -> CpuGraph:
     for node in nodes:
         if node.op != "Identity" or node.device != HOST or node.name in roles:
             continue
+        if _dtype_name(node) in ("string", "resource", "variant"):
+            continue  # not a tensor anyone swaps: a SavedModel's save/Identity of the checkpoint path
         data = [parse_input(t)[0] for t in node.input if not t.startswith("^")]
         if data and device.get(data[0]) == GPU_STANDIN:
             roles[node.name] = "out"
@@ -313,9 +315,9 @@ def _one_at_a_time(init, step) -> None:
 
     Before::  init <- a_init, b_init  (either first)
     After::   init <- a_init, b_init; b_init <- ^a_init"""
-    shared = _ancestors(step)
+    shared = ancestors(step)
     # (Placeholders are fed: a fed node does not run, and an edge to or from it would be lost.)
-    own = [op for op in _ancestors([init]) if op not in shared and op.type != "Placeholder"]
+    own = [op for op in ancestors([init]) if op not in shared and op.type != "Placeholder"]
     mine = set(own)
     waiting = {op: sum(1 for dep in _deps(op) if dep in mine) for op in own}
     ready = sorted(op.name for op, n in waiting.items() if n == 0)  # a sorted list is a heap
@@ -341,7 +343,8 @@ def _deps(op):
     return [t.op for t in op.inputs] + list(op.control_inputs)
 
 
-def _ancestors(ops) -> set:
+def ancestors(ops) -> set:
+    """The ops ``ops`` need (themselves included), through data and control inputs."""
     seen, stack = set(), list(ops)
     while stack:
         op = stack.pop()

@@ -141,7 +141,8 @@ def _figures(model, fetches, batch_size, measure: bool, notes: list, label: str,
         order = None if tf_order else measurement_order(prepared)
         measured = measure_peak(meta, model.fetches, batch_size or 1, order=order)
         notes.extend(f"{label}: {n}" for n in measured.notes)
-    figures = GraphFigures(measured, simulated, grappler_peak, len(placed.swap_outs) + len(placed.swap_ins),
+    figures = GraphFigures(measured, simulated, grappler_peak,
+                           sum(1 for n in placed.swap_outs + placed.swap_ins if n in runs),  # (not save/Identity)
                            schedule.variable_bytes, prepared.run_peak_bytes,
                            sum(1 for node in meta.graph_def.node if RECOMPUTE in node.name))
     return meta, figures
