@@ -117,6 +117,7 @@ def storage(view: GraphView, loops: dict[str, Loop] | None = None) -> tuple[Stor
             if size and trips and trips > 1:
                 by_value[value] = len(found)
                 found.append(Storage(push, tuple(sorted(pops)), trips * size, "stack", trips))
+    found = _one_branch_per_cond(view, found)
     for writes, reads in _arrays(view).values():
         for write in writes:
             if view.frames[write] and _new_buffer_each_iteration(view, write, 2, seen) is None:
@@ -163,6 +164,52 @@ def notes(view: GraphView, active, loops: dict[str, Loop]) -> tuple[str, ...]:
 
 
 # ---------------------------------------------------------------------------- internals
+def loop_branch_tags(view: GraphView) -> list[frozenset]:
+    """Per node, the branches of the v1 conds *inside* while loops it runs in, as
+    :meth:`GraphView.branch_tags` gives them for conds outside loops: ``(predicate, port)`` pairs.
+    A cond's Switch tests a predicate other than the loop's ``LoopCond``; a Merge closes its
+    branch (the loop's own Merges, whose back edge comes later in the order, close everything)."""
+    tags: list[frozenset] = [frozenset()] * view.size
+    switches = ("Switch", "RefSwitch")
+    for i in view.order:
+        if not view.frames[i]:
+            continue
+        merge = view.ops[i] in ("Merge", "RefMerge")
+        acc = None
+        for src, output in view.data_inputs[i]:
+            t = tags[src]
+            if (view.ops[src] in switches and view.frames[src] and len(view.data_inputs[src]) > 1
+                    and view.ops[view.data_inputs[src][1][0]] != "LoopCond"):
+                t = t | {(view.data_inputs[src][1], output)}
+            acc = t if acc is None else (acc & t if merge else acc | t)
+        for src in view.control_inputs[i]:
+            acc = tags[src] if acc is None else acc | tags[src]
+        tags[i] = acc or frozenset()
+    return tags
+
+
+def _one_branch_per_cond(view: GraphView, found: list[Storage]) -> list[Storage]:
+    """``found`` without the stacks that the smaller branch of a cond inside a loop pushes to. Each
+    iteration runs one branch, so over the loop the branches share its trips; which way they
+    split depends on the data. Counting every stack with every trip counted the branches twice
+    over (QA: a 24-step loop alternating two branches was said to need 24.60 MiB at least, and
+    trained under a 19 MiB hard limit); the larger branch's stacks with every trip are an upper
+    bound for any split, as the larger branch of a cond outside loops is for either."""
+    stacks = [s for s in found if s.kind == "stack"]
+    if not stacks:
+        return found
+    tags = loop_branch_tags(view)
+    per_iteration: dict[tuple, int] = {}
+    for s in stacks:
+        for tag in tags[s.writer]:
+            per_iteration[tag] = per_iteration.get(tag, 0) + s.num_bytes // s.trips
+    smaller = set()
+    for pred in {pred for pred, _port in per_iteration}:
+        ports = sorted((-per_iteration.get((pred, port), 0), -port) for port in (0, 1))
+        smaller.add((pred, -ports[1][1]))
+    return [s for s in found if s.kind != "stack" or not (tags[s.writer] & smaller)]
+
+
 def _parallel_iterations(view: GraphView, enter: int) -> int:
     """An ``Enter``'s ``parallel_iterations`` (1 when it has none)."""
     attr = view.node_defs[enter].attr
