@@ -207,9 +207,10 @@ def _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, o
     if not proof.rewritten.fits:
         hint = ""
         if prediction_b.predicted_standin_bytes > proof.limit_bytes:
-            hint = (f" (predicted for the stand-in: {prediction_b.predicted_standin_bytes:,} bytes, with its CPU "
-                    "kernels' scratch and the CPU executor's op order; a plan for a GPU does not plan for those: "
-                    "make the plan to prove with `lms rewrite --stand-in`)")
+            hint = (f" (predicted for the stand-in: {prediction_b.predicted_standin_bytes:,} bytes, in the CPU "
+                    "executor's op order, where a swap-out leaves only when an op waits for it, and with its CPU "
+                    "kernels' scratch; a plan for a GPU does not plan for those: make the plan to prove with "
+                    "`lms rewrite --stand-in`)")
         raise realmem.RewrittenOutOfMemory(f"{model_b.path} ran out of memory on the stand-in GPU at "
                                            f"{proof.limit_bytes:,} bytes: {proof.rewritten.message}{hint}")
     if proof.identical is False:

@@ -1,9 +1,9 @@
 """Memory claims checked by real runs under a hard limit, on the stand-in GPU (lmscli.prove).
 
 The graph of the proof is the generator's residual MLP (``synthetic``) at a batch where
-activations dominate: 247 MiB without swapping on the stand-in, 55 MiB lower bound, no CPU
-convolution scratch (which at small shapes sets the minimum of a conv net: see the notes in
-lmscli/prove/scratch.py).
+activations dominate: 247 MiB without swapping on the stand-in, 55 MiB lower bound, no
+convolutions (whose default CPU kernels' scratch once set the minimum of small conv nets; the
+stand-in now runs Eigen kernels for their gradients: see lmscli/prove/standin.py).
 """
 
 from __future__ import annotations
@@ -111,8 +111,8 @@ def test_the_prediction_is_within_ten_percent_of_the_real_need(graph, request, s
     executor's observed order, with its kernel scratch and the allocator's fragmentation) against
     the smallest limit M that really runs: 0.97 M <= P <= 1.10 M, checked with two runs: the step
     fits at P / 0.97 and runs out of memory at P / 1.10. Measured: ResNet-50 P 399.6 MiB, M 403;
-    the CNN at batch 64 (a 27 MiB convolution temporary in a fragmented region sets its need)
-    P 71.8, M 72."""
+    the CNN at batch 64 P 71.8, M 72, when a 27 MiB convolution col buffer in a fragmented region
+    set its need (the stand-in now runs Eigen kernels for convolution gradients, which take none)."""
     from lmscli.prove import realmem
 
     model = api.load(str(SAMPLES / "resnet50.meta") if graph == "resnet50" else str(request.getfixturevalue(graph)))

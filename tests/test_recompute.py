@@ -250,10 +250,8 @@ def test_a_broken_recomputation_is_refused(cnn):
 def test_a_recompute_only_plan_is_proven_under_a_hard_limit(tmp_path, runner):
     """Real memory: planned for the stand-in GPU with recomputation only, the rewrite trains under
     a hard limit at which the original runs out of memory, bit-identically. The limit is near the
-    peak: on this conv net the stand-in's CPU convolution scratch (a 27 MiB filter gradient
-    buffer, which must find one free chunk) sets much of the need, and recomputation frees the batch
-    norm and ReLU outputs (a convolution costs the CPU its observed time, and its scratch while the
-    clone runs). Planned with the default room
+    peak: recomputation frees the batch norm and ReLU outputs (a convolution costs the CPU its
+    observed time, and its scratch while the clone runs). Planned with the default room
     (--reserve) and judged by real runs on the stand-in."""
     from lmscli.prove.standin import MIB
 

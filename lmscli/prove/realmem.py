@@ -8,8 +8,8 @@ Two questions, each answered by TensorFlow's own allocator under a hard limit:
 * :func:`measure_need`: the smallest limit, to 1 MiB, under which one training step of a graph
   runs, beside what the simulator predicts for it and Grappler's estimate.
 
-What a CPU stand-in does that a GPU would not (CPU convolution scratch buffers; the CPU
-executor's order, which queues expensive ops last-in first-out) is observed once per graph in a
+What a CPU stand-in does that a GPU would not (its kernels' scratch; the CPU executor's order,
+which queues expensive ops, sends included, last-in first-out) is observed once per graph in a
 traced step and reported apart: ``predicted_bytes`` is the GPU prediction (the executor model
 in Grappler's first-ready order), ``predicted_standin_bytes`` the stand-in's.
 """

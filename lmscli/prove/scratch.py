@@ -1,9 +1,9 @@
 """What one real step on the stand-in shows that a static model cannot: each op's kernel scratch,
 the order TensorFlow's executor runs the ops in, and their times.
 
-CPU kernels take temporaries from the device's allocator while they run (the col buffers of
-convolution gradients, up to tens of MiB at small shapes); a GPU's kernels use cuDNN workspaces
-instead, which ``--reserve`` covers. A traced step records each op's own peak allocation and
+CPU kernels take temporaries from the device's allocator while they run (convolution gradients
+run Eigen kernels on the stand-in, which take none: :func:`lmscli.prove.standin.scratchless`); a
+GPU's kernels use cuDNN workspaces instead, which ``--reserve`` covers. A traced step records each op's own peak allocation and
 what it left allocated, so ``peak - live`` is what the op held only while it ran (traced on
 TensorFlow's plain CPU allocator, these are the bytes the kernel asked for; the stand-in's BFC
 allocator records the chunks it handed out, so its traced steps give the order and times only).
