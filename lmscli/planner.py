@@ -217,6 +217,26 @@ class _Context:
         found = self.walk_ancestors(p, keep=lambda q: q > after, accept=lambda q: self.can_wait(q, tid))
         return None if found is CAPPED else found
 
+    def essential(self, swap: SimSwap) -> SimSwap:
+        """``swap`` without the waiters that wait already through another of its waiters (an
+        ancestor): the same constraints, fewer control edges. Planning adds a waiter wherever the
+        tensor was still held (QA: a ViT plan's swap-outs had dozens each, into Gelu and dropout
+        ops Grappler fuses, so the optimizer guard left eight tensors unswapped)::
+
+            swap-out - - -> w1 --> ... --> w2        swap-out - - -> w1 --> ... --> w2
+                     - - - - - - - - - - ->
+        """
+        if swap.recompute or len(swap.waiters) < 2:
+            return swap
+        waiters = sorted(set(swap.waiters))
+        lowest = waiters[0]
+        kept = []
+        for w in waiters:
+            found = self.walk_ancestors(w, keep=lambda q: q >= lowest, accept=set(kept).__contains__) if kept else None
+            if found is None or found is CAPPED:
+                kept.append(w)
+        return replace(swap, waiters=tuple(kept)) if len(kept) < len(swap.waiters) else swap
+
     def tensor_tags(self, tid: int) -> frozenset:
         """The v1 cond branches an op reading tensor ``tid`` runs in: its producer's, and for an
         output of a cond's Switch, the branch that output opens (QA: a swap-out of ``Switch:1``
@@ -604,7 +624,7 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
     n_re = sum(1 for c in chosen.values() if c.recipe is not None)
     what = f"{len(chosen) - n_re} swap(s)" + (f" and {n_re} recomputation(s)" if "recompute" in modes else "")
     log.append(f"[LMS] planned {what} in {_round + 1} step(s)")
-    return [c.swap for c in chosen.values()], judged.result
+    return [ctx.essential(c.swap) for c in chosen.values()], judged.result
 
 
 def _ranked_choices(ctx: _Context, chosen: dict, p: int, judged: _Judged, clipped,

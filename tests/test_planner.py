@@ -391,3 +391,32 @@ def test_the_greedy_plans_first_with_the_tensors_tflms_swapped(samples):
     assert narrow is not ctx and not beyond & set(narrow.cands) and set(narrow.cands) | beyond == set(ctx.cands)
     assert sorted(narrow._cand_ids.tolist()) == sorted(narrow.cands) and beyond <= set(ctx.cands)
     assert narrow.narrowed() is narrow
+
+
+def test_a_swap_out_keeps_only_the_waiters_that_do_not_wait_through_another(samples):
+    """Planning adds a waiter wherever a swapped tensor was still held; a waiter that descends from
+    another waiter of the same swap-out waits already (QA: a ViT plan's swap-outs had dozens each,
+    into Gelu and dropout ops Grappler fuses, and the optimizer guard left eight tensors
+    unswapped). Plans keep one waiter per independent path; the simulation is the same."""
+    from lmscli.planner import _Context
+    from lmscli.simulator import SimSwap, SwapIn, simulate
+
+    prepared = api.prepare(api.load(str(samples / "cond_branch.meta"))).observed(())
+    sched, view = prepared.schedule, prepared.view
+    device = api.make_device(gpu_mem=int(0.6 * api.analyze(prepared).peak_bytes), reserve=0.0)
+    ctx = _Context(prepared, device, api.Filters())
+    result = api.tune(prepared, device, check=False)
+    pos = {name: k for k, name in enumerate(sched.names)}
+    assert any(s.waiters for s in result.plan.swaps)
+    for swap in result.plan.swaps:
+        nodes = [sched.nodes[pos[w]] for w in swap.waiters]
+        for node in nodes:
+            assert not (set(nodes) - {node}) & view.ancestors([node]), swap.tensor
+    # By hand: a tensor of the forward pass, waited for by its next consumer and by the last op.
+    t = next(t for t in sched.tensors if t.consumers and len(t.consumers) == 2 and t.id in ctx.cands
+             and t.consumers[0] + 3 < t.consumers[1] and not ctx.tags[t.producer])
+    first, last = t.producer + 1, len(sched) - 1
+    assert sched.nodes[first] in view.ancestors([sched.nodes[last]])
+    swap = SimSwap(t.id, (t.consumers[0],), (SwapIn((t.consumers[1],), t.consumers[1] - 1),), waiters=(first, last))
+    assert ctx.essential(swap).waiters == (first,)
+    assert simulate(sched, [swap]).peak_bytes == simulate(sched, [ctx.essential(swap)]).peak_bytes
