@@ -255,24 +255,33 @@ class GraphView:
             depth[i] = best
         return depth
 
-    def branch_tags(self) -> list[frozenset]:
+    def branch_tags(self, in_loops: bool = False) -> list[frozenset]:
         """Per node, the v1 cond branches it runs in: ``(predicate, port)`` pairs, where the
         predicate is the ``(node, output)`` tensor the cond's Switches test and port 1 is the true
         branch. A Switch output opens a branch, a Merge closes it (its inputs' tags, intersected);
         control edges carry tags too (a branch's constants hang on its pivot). Loop frames are
-        left untagged (their Switch/Merge pairs are the loop's)."""
+        left untagged (their Switch/Merge pairs are the loop's); ``in_loops=True`` tags the nodes
+        of loop frames instead, by the conds inside loops (whose Switches test a predicate other
+        than the loop's ``LoopCond``; a loop's own Merge, whose back edge comes later in the
+        order, closes every branch)."""
         tags: list[frozenset] = [frozenset()] * self.size
         switches = ("Switch", "RefSwitch")
         if not any(op in switches for op in self.ops):
             return tags
+
+        def opens(src: int) -> bool:
+            if self.ops[src] not in switches or len(self.data_inputs[src]) < 2 or bool(self.frames[src]) != in_loops:
+                return False
+            return not in_loops or self.ops[self.data_inputs[src][1][0]] != "LoopCond"
+
         for i in self.order:
-            if self.frames[i]:
+            if bool(self.frames[i]) != in_loops:
                 continue
             merge = self.ops[i] in ("Merge", "RefMerge")
             acc = None
             for src, output in self.data_inputs[i]:
                 t = tags[src]
-                if self.ops[src] in switches and not self.frames[src] and len(self.data_inputs[src]) > 1:
+                if opens(src):
                     t = t | {(self.data_inputs[src][1], output)}
                 acc = t if acc is None else (acc & t if merge else acc | t)
             for src in self.control_inputs[i]:

@@ -164,30 +164,6 @@ def notes(view: GraphView, active, loops: dict[str, Loop]) -> tuple[str, ...]:
 
 
 # ---------------------------------------------------------------------------- internals
-def loop_branch_tags(view: GraphView) -> list[frozenset]:
-    """Per node, the branches of the v1 conds *inside* while loops it runs in, as
-    :meth:`GraphView.branch_tags` gives them for conds outside loops: ``(predicate, port)`` pairs.
-    A cond's Switch tests a predicate other than the loop's ``LoopCond``; a Merge closes its
-    branch (the loop's own Merges, whose back edge comes later in the order, close everything)."""
-    tags: list[frozenset] = [frozenset()] * view.size
-    switches = ("Switch", "RefSwitch")
-    for i in view.order:
-        if not view.frames[i]:
-            continue
-        merge = view.ops[i] in ("Merge", "RefMerge")
-        acc = None
-        for src, output in view.data_inputs[i]:
-            t = tags[src]
-            if (view.ops[src] in switches and view.frames[src] and len(view.data_inputs[src]) > 1
-                    and view.ops[view.data_inputs[src][1][0]] != "LoopCond"):
-                t = t | {(view.data_inputs[src][1], output)}
-            acc = t if acc is None else (acc & t if merge else acc | t)
-        for src in view.control_inputs[i]:
-            acc = tags[src] if acc is None else acc | tags[src]
-        tags[i] = acc or frozenset()
-    return tags
-
-
 def _one_branch_per_cond(view: GraphView, found: list[Storage]) -> list[Storage]:
     """``found`` without the stacks that the smaller branch of a cond inside a loop pushes to. Each
     iteration runs one branch, so over the loop the branches share its trips; which way they
@@ -198,7 +174,7 @@ def _one_branch_per_cond(view: GraphView, found: list[Storage]) -> list[Storage]
     stacks = [s for s in found if s.kind == "stack"]
     if not stacks:
         return found
-    tags = loop_branch_tags(view)
+    tags = view.branch_tags(in_loops=True)
     per_iteration: dict[tuple, int] = {}
     for s in stacks:
         for tag in tags[s.writer]:

@@ -345,7 +345,7 @@ def test_a_cond_inside_a_loop_keeps_the_stacks_of_one_branch_every_trip(tmp_path
     from lmscli import loops
 
     view = api.prepare(api.load(str(_alternating_loop(tmp_path / "alternating.meta")))).view
-    tags = loops.loop_branch_tags(view)
+    tags = view.branch_tags(in_loops=True)
     pushes = [i for i in range(view.size) if view.ops[i] == "StackPushV2" and tags[i]]
     branches = {tag for i in pushes for tag in tags[i]}
     assert len({pred for pred, _port in branches}) == 1 and len(branches) == 2  # the cond's two branches push
