@@ -582,17 +582,25 @@ def unknown_size_warning(prepared: Prepared) -> str | None:
     Outputs of unknown rank are left out (a FusedBatchNorm's reserve outputs, a few bytes); the
     ``--batch-size`` hint comes only when a placeholder of the step has an unknown dimension (else
     the sizes depend on the data, e.g. the number of unique ids)."""
-    view, found = prepared.view, []
+    view, found, in_loops = prepared.view, [], 0
     for i in prepared.schedule.nodes:
         for k, info in enumerate(view.outputs(i)):
             if info.num_bytes is None and info.shape is not None:
                 found.append((-info.known_elements * info.itemsize, f"{view.names[i]}:{k}", info.shape))
+                in_loops += bool(view.frames[i])
     if not found:
         return None
     _size, name, shape = min(found)
     batch = unknown_batch(prepared)
-    hint = "; give --batch-size N for the unknown batch dimension" if batch and not prepared.batch_size else \
-        " (they depend on the data)" if not batch else ""
+    # (QA: a bidirectional GRU's loop gradients, static in fact, were said to depend on the data)
+    where = (f"{in_loops} of them in while loops, whose back edges TensorFlow's shape inference does not follow"
+             if in_loops else "")
+    if batch and not prepared.batch_size:
+        hint = "; give --batch-size N for the unknown batch dimension" + (f" ({where})" if where else "")
+    elif batch:
+        hint = f" ({where})" if where else ""
+    else:
+        hint = f" ({where}, or depending on the data)" if where else " (they depend on the data)"
     return (f"{len(found)} tensor(s) of the step have an unknown size and count as 0 bytes, so the figures are "
             f"too small (largest: {name} {_dims(shape)}){hint}")
 

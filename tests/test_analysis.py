@@ -331,3 +331,20 @@ def test_a_fused_batch_norm_grappler_makes_is_modelled_whatever_its_channels():
     assert {n.op for n in importable.node} >= {"FusedBatchNormV3"} and "_FusedBatchNormEx" not in {
         n.op for n in importable.node}
     assert analysis._importable(importable) is None  # nothing left to change
+
+
+def test_unknown_sizes_inside_loops_are_not_blamed_on_the_data(tmp_path):
+    """QA: a bidirectional GRU's loop gradients, of static size in fact, were said to "depend on
+    the data": TensorFlow's shape inference does not follow a v1 loop's back edges, so a loop
+    variable with a loose shape invariant leaves the body's tensors without a batch dimension."""
+    from lmscli import api
+    from lmscli.analysis import unknown_size_warning
+
+    with v1_training_graph(tmp_path / "loop.meta") as (tf, v1, graph):
+        x = v1.placeholder(tf.float32, [16, 32], name="x")
+        w = v1.get_variable("w", [32, 32], initializer=v1.glorot_uniform_initializer(seed=0), use_resource=True)
+        _, h = v1.while_loop(lambda t, h: t < 4, lambda t, h: (t + 1, tf.tanh(tf.matmul(h, w))),
+                             [tf.constant(0), x], shape_invariants=[tf.TensorShape([]), tf.TensorShape([None, 32])])
+        graph.loss = tf.reduce_mean(tf.square(h))
+    warning = unknown_size_warning(api.prepare(api.load(str(tmp_path / "loop.meta"))))
+    assert warning and "in while loops" in warning and "--batch-size" not in warning
