@@ -458,13 +458,17 @@ EIGEN_LABEL = "eigen_tensor"
 
 @functools.lru_cache(maxsize=1)
 def _labelled_ops() -> frozenset:
-    """The ops with a CPU kernel labelled :data:`EIGEN_LABEL` in this TensorFlow."""
-    from tensorflow.python.framework import kernels
-
+    """The ops with a CPU kernel labelled :data:`EIGEN_LABEL` in this TensorFlow (none when its
+    kernel registry cannot be read: the default kernels then run, scratch and all)."""
     ops = ("Conv2DBackpropFilter", "Conv2DBackpropInput", "Conv3DBackpropFilter", "Conv3DBackpropFilterV2",
            "Conv3DBackpropInput", "Conv3DBackpropInputV2")
-    return frozenset(op for op in ops if any(k.device_type == "CPU" and k.label == EIGEN_LABEL
-                                             for k in kernels.get_registered_kernels_for_op(op).kernel))
+    try:
+        from tensorflow.python.framework import kernels
+
+        return frozenset(op for op in ops if any(k.device_type == "CPU" and k.label == EIGEN_LABEL
+                                                 for k in kernels.get_registered_kernels_for_op(op).kernel))
+    except Exception:  # (an internal module: a later TensorFlow may move it)
+        return frozenset()
 
 
 def scratchless(meta_graph):
