@@ -154,7 +154,7 @@ def markdown(results: list, seconds: float, quick: bool) -> str:
              "variables. lms's plan is made by `lms rewrite --stand-in --gpu-mem LIMIT` (default reserve) at the "
              "smallest LIMIT it accepts, from the lower bound up to the original's need in 15 even steps (its "
              "judge ran each plan five times under LIMIT on the stand-in, and five more under LIMIT less half "
-             "the reserve when the first five left less than the reserve free); the TFLMS-style plan "
+             "the reserve); the TFLMS-style plan "
              "(`--strategy tflms`) at that limit or the smallest above it that it accepts. *(varies)*: the "
              "search saw a limit fit once and fail when confirmed (the executor's order differs between runs).", "",
              "| graph | lower bound | what ran | measured | predicted | predicted vs measured | GPU "

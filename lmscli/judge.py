@@ -118,21 +118,22 @@ STAND_IN_JUDGE_STEPS = 2  # ... of this many training steps each, as `lms verify
 def stand_in_need(prepared: Prepared, rewritten, device: Device) -> int:
     """The rewritten step run on the stand-in GPU as ``lms verify --gpu-mem`` will run it: under
     the device's whole memory (in whole MiB), :data:`STAND_IN_JUDGE_RUNS` fresh runs of
-    :data:`STAND_IN_JUDGE_STEPS` steps. When every run fits with the reserve free at its peak, the
-    allocator's peak bytes in use (or the budget, if less); when a run fails, the budget plus what
-    it lacked (what it had in use and the request that failed, beyond the limit; at least 2%). The
-    runs are recorded in the plan (``predicted['stand_in']``).
+    :data:`STAND_IN_JUDGE_STEPS` steps, then as many under the limit less half the reserve (at
+    least 1 MiB). When every run fits, the budget (or the peak in use under the limit, if less);
+    when a run fails, the budget plus what it
+    lacked (what it had in use and the request that failed, beyond the limit it ran under; at
+    least 2%). The runs are recorded in the plan (``predicted['stand_in']``).
 
     The room between the budget and the memory (``--reserve``) absorbs the runs' variation: the
     executor's order and the moments transfers land vary, and with them the allocator's
     fragmentation (not even monotonically: a plan can fit under one limit and not under a larger
-    one). A step that fits with less than the reserve free at its peak must also fit, in as many
-    runs again, with half the reserve (at least 1 MiB) less: QA plans that trained five times
-    with little room left then ran out of memory in `lms verify` (Inception at 98% of its limit;
-    a decoder with 1.2 MiB free under 20 MiB, in 1 run of 18). The peak in use alone cannot tell:
-    BFC hands a free chunk out whole when splitting it would leave less than the request, so a
-    CPU convolution's 30 MiB scratch shows a step using the whole region (QA: a two-loss net at
-    53.9 of 54 MiB in every run, which also trains under 51)."""
+    one). So a plan must keep headroom in real runs, not only in the model: QA plans that trained
+    five times under their limit then ran out of memory in `lms verify` (an Inception at 98% of
+    its limit; a decoder with 1.2 MiB free under 20 MiB, in 1 run of 18; an Inception plan whose
+    five runs peaked at 23.5 MiB in use under 29, then needed 29.7 in one verify run of ten). The
+    peak in use cannot tell: BFC hands a free chunk out whole when splitting it would leave less
+    than the request (a two-loss net showed 53.9 of 54 MiB in use in every run, and trained under
+    51), and the region's fragmentation varies from run to run."""
     from lmscli.prove.standin import MIB
 
     limit = max(MIB, device.gpu_mem // MIB * MIB)
@@ -146,8 +147,6 @@ def stand_in_need(prepared: Prepared, rewritten, device: Device) -> int:
     verdict = runs(limit)
     if not verdict.fits:
         return device.budget + max((verdict.need_bytes or 0) - limit, MIB, limit // 50)
-    if verdict.peak_bytes is None or verdict.peak_bytes <= limit - max(MIB, int(limit * device.reserve)):
-        return min(verdict.peak_bytes or device.budget, device.budget)
     tighter = max(MIB, (limit - max(MIB, int(limit * device.reserve / 2))) // MIB * MIB)
     headroom = runs(tighter)
     failure = (f"under {format_size(tighter)} ({format_size(limit - tighter)} below the limit, the headroom a plan "
@@ -156,5 +155,5 @@ def stand_in_need(prepared: Prepared, rewritten, device: Device) -> int:
                                     seconds=verdict.seconds + headroom.seconds, peak_bytes=verdict.peak_bytes,
                                     message=failure)
     if headroom.fits:
-        return device.budget
+        return min(verdict.peak_bytes or device.budget, device.budget)
     return device.budget + max((headroom.need_bytes or 0) - tighter, MIB, limit // 50)
