@@ -153,7 +153,7 @@ def stand_in_need(prepared: Prepared, rewritten, device: Device) -> int:
                f"keeps): {headroom.message}") if headroom.message else None
     stand_in.last_verdict = replace(headroom, limit_bytes=limit, runs=verdict.runs + headroom.runs,
                                     seconds=verdict.seconds + headroom.seconds, peak_bytes=verdict.peak_bytes,
-                                    message=failure)
+                                    message=failure, headroom_limit_bytes=tighter)
     if headroom.fits:
         return min(verdict.peak_bytes or device.budget, device.budget)
     return device.budget + max((headroom.need_bytes or 0) - tighter, MIB, limit // 50)

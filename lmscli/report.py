@@ -308,9 +308,13 @@ def _stand_in_line(real: dict) -> str:
     """The stand-in judge's runs in words."""
     limit = format_size(real["limit_bytes"]) if real.get("limit_bytes") else "no limit"
     runs = f"{real['runs']} run(s) of {real['steps']} step(s) under {limit}"
+    if real.get("headroom_limit_bytes"):  # half of them under the judge's second, lower limit
+        half = real["runs"] // 2
+        runs = (f"{real['runs'] - half} run(s) of {real['steps']} step(s) under {limit} and {half} under "
+                f"{format_size(real['headroom_limit_bytes'])}")
     if real["fits"]:
         peak = real.get("peak_in_use_bytes")
-        return f"{runs}: trained" + (f", allocator peak {format_size(peak)} in use" if peak else "")
+        return f"{runs}: trained" + (f", allocator peak {format_size(peak)} in use under {limit}" if peak else "")
     return f"{runs}: {real.get('failure') or 'out of memory'}"
 
 

@@ -289,7 +289,8 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
                 if verdict is not None:  # what the judge's real runs showed (run_peak_bytes: fits or not)
                     figures["stand_in"] = {"limit_bytes": verdict.limit_bytes, "runs": verdict.runs,
                                            "steps": STAND_IN_JUDGE_STEPS, "fits": verdict.fits,
-                                           "peak_in_use_bytes": verdict.peak_bytes, "failure": verdict.message}
+                                           "peak_in_use_bytes": verdict.peak_bytes, "failure": verdict.message,
+                                           "headroom_limit_bytes": verdict.headroom_limit_bytes}
                     search.note = verdict.message
                 result = replace(result, plan=replace(result.plan, predicted=figures))
                 step = search.judged(result, peak)

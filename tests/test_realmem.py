@@ -191,6 +191,7 @@ def test_an_attention_model_is_proven_under_a_hard_limit(attention, tmp_path):
     judged = plan["predicted"]["stand_in"]  # the judge's real runs, recorded in the plan
     assert judged["fits"] and judged["limit_bytes"] == 15 * MIB
     assert judged["runs"] == 2 * api.STAND_IN_JUDGE_RUNS  # five under 15 MiB, five under 14
+    assert judged["headroom_limit_bytes"] == 14 * MIB
     assert 0 < judged["peak_in_use_bytes"] <= 15 * MIB
     checked = invoke(runner, "verify", attention, out, "--gpu-mem", "15MiB", "--json")
     doc = json.loads(checked.stdout)
@@ -306,6 +307,7 @@ def test_a_plan_must_also_fit_with_half_the_reserve_less():
         assert (need <= device.budget) == fits
         if len(limits) == 2:  # recorded as one verdict at the limit, of both sets of runs
             assert fake.last_verdict.limit_bytes == 20 * MIB and fake.last_verdict.runs == 5 + verdicts[1].runs
+            assert fake.last_verdict.headroom_limit_bytes == 19 * MIB
             assert fake.last_verdict.fits == fits and (fits or "19.00 MiB" in fake.last_verdict.message)
 
 
@@ -337,3 +339,13 @@ def test_a_gpu_plans_swap_outs_leave_the_stand_in_when_its_sends_run(attention, 
     run = run_graph(rewritten, meta, api.prepare(rewritten).optimized)
     device_only = run_peak_of(run, seen.scratch, tuple(n for n in seen.order if n not in swap_outs), seen.micros)
     assert device_only < 0.7 * need
+
+
+def test_the_judges_runs_are_told_under_both_limits():
+    """QA: "10 run(s) under 20.00 MiB ... peak 19.01" covered five runs under 20 MiB and five under 19."""
+    from lmscli.report import _stand_in_line
+
+    line = _stand_in_line({"limit_bytes": 20 * MIB, "runs": 10, "steps": 2, "fits": True,
+                           "peak_in_use_bytes": 19 * MIB, "failure": None, "headroom_limit_bytes": 19 * MIB})
+    assert line.startswith("5 run(s) of 2 step(s) under 20.00 MiB and 5 under 19.00 MiB: trained")
+    assert "in use under 20.00 MiB" in line

@@ -109,6 +109,7 @@ class StepVerdict:
     peak_bytes: int | None = None  # with peak=True: the allocator's peak bytes in use (initialisation and steps)
     results_differ: str | None = None  # what differs first between completed runs (they should be bit-identical)
     need_bytes: int | None = None  # out of memory: the bytes in use plus the request that failed, when known
+    headroom_limit_bytes: int | None = None  # the stand-in judge's second limit (its runs are counted in runs)
 
 
 @dataclass(frozen=True)
