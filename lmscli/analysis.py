@@ -580,8 +580,9 @@ def unknown_size_warning(prepared: Prepared) -> str | None:
     """A warning when outputs of the step have sizes shape inference leaves unknown (counted as 0
     bytes, so the figures are too small), naming the largest partly known one; None otherwise.
     Outputs of unknown rank are left out (a FusedBatchNorm's reserve outputs, a few bytes); the
-    ``--batch-size`` hint comes only when a placeholder of the step has an unknown dimension (else
-    the sizes depend on the data, e.g. the number of unique ids)."""
+    ``--batch-size`` hint comes only when a placeholder of the step has an unknown dimension, and
+    the warning counts those inside while loops, whose back edges shape inference does not follow
+    (else the sizes depend on the data, e.g. the number of unique ids)."""
     view, found, in_loops = prepared.view, [], 0
     for i in prepared.schedule.nodes:
         for k, info in enumerate(view.outputs(i)):

@@ -253,8 +253,8 @@ def measure_peak(meta_graph, fetches, batch_size: int = 1, order=None, warmup: i
     peak, peak_node, at_peak, curve, _ = live_curve(events)
     host_peak = live_curve(_records(step_meta.step_stats, HOST_SUFFIX))[0]
     ran = _ran_on(step_meta.step_stats)
-    # (only nodes the step needs: a SavedModel's save/Identity reads a variable on the host, but no
-    # step runs it -- QA: "1 of 1 swap nodes did not run (save/Identity): they sit in cond branches")
+    # (only nodes the step needs: a SavedModel's saver nodes sit on the host, and no step runs
+    # them -- QA: "1 of 1 swap nodes did not run (save/Identity): they sit in cond branches")
     step = {op.name for op in steps.ancestors(g.targets)}
     swaps = [n for n in placed.swap_outs + placed.swap_ins if n in step]
     placements = {name: ran[name] for name in swaps if name in ran}
