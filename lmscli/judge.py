@@ -120,9 +120,9 @@ def stand_in_need(prepared: Prepared, rewritten, device: Device) -> int:
     the device's whole memory (in whole MiB), :data:`STAND_IN_JUDGE_RUNS` fresh runs of
     :data:`STAND_IN_JUDGE_STEPS` steps, then as many under the limit less half the reserve (at
     least 1 MiB). When every run fits, the budget (or the peak in use under the limit, if less);
-    when a run fails, the budget plus what it
-    lacked (what it had in use and the request that failed, beyond the limit it ran under; at
-    least 2%). The runs are recorded in the plan (``predicted['stand_in']``).
+    when a run fails, the budget plus what it lacked (what it had in use and the request that
+    failed, beyond the limit it ran under; at least 2%). The runs are recorded in the plan
+    (``predicted['stand_in']``).
 
     The room between the budget and the memory (``--reserve``) absorbs the runs' variation: the
     executor's order and the moments transfers land vary, and with them the allocator's

@@ -181,8 +181,8 @@ def _one_branch_per_cond(view: GraphView, found: list[Storage]) -> list[Storage]
             per_iteration[tag] = per_iteration.get(tag, 0) + s.num_bytes // s.trips
     smaller = set()
     for pred in {pred for pred, _port in per_iteration}:
-        ports = sorted((-per_iteration.get((pred, port), 0), -port) for port in (0, 1))
-        smaller.add((pred, -ports[1][1]))
+        kept = max((1, 0), key=lambda port: per_iteration.get((pred, port), 0))  # (a tie keeps the true branch)
+        smaller.add((pred, 1 - kept))
     return [s for s in found if s.kind != "stack" or not (tags[s.writer] & smaller)]
 
 

@@ -120,10 +120,7 @@ class _Context:
         self.can_land_at = [ok and landing_safe(self.view, sched, k, fused) for k, ok in enumerate(self.can_edge)]
         self.absorbed = [absorbed(self.view, node, fused) for node in sched.nodes]
         self._triggers = [k for k, ok in enumerate(self.can_trigger) if ok]
-        ids = sorted(self.cands)
-        self._cand_ids = np.array(ids, dtype=np.int64)
-        self._cand_first = np.array([sched.tensors[t].producer for t in ids], dtype=np.int64)
-        self._cand_last = np.array([sched.tensors[t].consumers[-1] for t in ids], dtype=np.int64)
+        self._index_candidates()
         self._build_lifting()
         self._memo: dict[tuple, int | None] = {}
         self._recipes = None
@@ -142,13 +139,17 @@ class _Context:
             return self
         narrow = copy.copy(self)
         narrow.cands = {t: c for t, c in self.cands.items() if not c.beyond_tflms}
-        sched = self.schedule
-        ids = sorted(narrow.cands)
-        narrow._cand_ids = np.array(ids, dtype=np.int64)
-        narrow._cand_first = np.array([sched.tensors[t].producer for t in ids], dtype=np.int64)
-        narrow._cand_last = np.array([sched.tensors[t].consumers[-1] for t in ids], dtype=np.int64)
+        narrow._index_candidates()
         narrow._recipes = None
         return narrow
+
+    def _index_candidates(self) -> None:
+        """The candidates' ids with their first and last positions, for :meth:`live_candidates`."""
+        tensors = self.schedule.tensors
+        ids = sorted(self.cands)
+        self._cand_ids = np.array(ids, dtype=np.int64)
+        self._cand_first = np.array([tensors[t].producer for t in ids], dtype=np.int64)
+        self._cand_last = np.array([tensors[t].consumers[-1] for t in ids], dtype=np.int64)
 
     @property
     def recipes(self):
@@ -740,12 +741,13 @@ def _late_free(ctx: _Context, chosen: dict, p: int, judged: _Judged) -> _Choice 
             continue
         if p in swap.waiters or (swap.near and swap.near[-1] >= p) or ctx.schedule.tensors[tid].producer >= p:
             continue
-        w = ctx.waiter(p, tid, swap.near[-1] if swap.near else ctx.schedule.tensors[tid].producer)
-        if w is None or w in swap.waiters:
-            continue
         if swap.groups and swap.groups[0].trigger < p:
             continue
         if out_end.get(tid, 0) <= result.starts[p]:
+            continue
+        # (the ancestor walk last: the checks above are cheap)
+        w = ctx.waiter(p, tid, swap.near[-1] if swap.near else ctx.schedule.tensors[tid].producer)
+        if w is None or w in swap.waiters:
             continue
         if best is None or c.size > best.size:
             best = _Choice(SimSwap(swap.tensor, swap.near, swap.groups, swap.sync_out,
