@@ -308,9 +308,11 @@ def _stand_in_line(real: dict) -> str:
     """The stand-in judge's runs in words."""
     limit = format_size(real["limit_bytes"]) if real.get("limit_bytes") else "no limit"
     runs = f"{real['runs']} run(s) of {real['steps']} step(s) under {limit}"
-    if real.get("headroom_limit_bytes"):  # half of them under the judge's second, lower limit
-        half = real["runs"] // 2
-        runs = (f"{real['runs'] - half} run(s) of {real['steps']} step(s) under {limit} and {half} under "
+    if real.get("headroom_limit_bytes"):  # the judge's first runs fitted; the rest ran under its second limit
+        from lmscli.judge import STAND_IN_JUDGE_RUNS
+
+        first = min(real["runs"], STAND_IN_JUDGE_RUNS)
+        runs = (f"{first} run(s) of {real['steps']} step(s) under {limit} and {real['runs'] - first} under "
                 f"{format_size(real['headroom_limit_bytes'])}")
     if real["fits"]:
         peak = real.get("peak_in_use_bytes")

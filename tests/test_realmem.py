@@ -349,3 +349,6 @@ def test_the_judges_runs_are_told_under_both_limits():
                            "peak_in_use_bytes": 19 * MIB, "failure": None, "headroom_limit_bytes": 19 * MIB})
     assert line.startswith("5 run(s) of 2 step(s) under 20.00 MiB and 5 under 19.00 MiB: trained")
     assert "in use under 20.00 MiB" in line
+    failed = _stand_in_line({"limit_bytes": 20 * MIB, "runs": 6, "steps": 2, "fits": False, "peak_in_use_bytes": None,
+                             "failure": "under 19.00 MiB: out of memory", "headroom_limit_bytes": 19 * MIB})
+    assert failed.startswith("5 run(s) of 2 step(s) under 20.00 MiB and 1 under 19.00 MiB: under 19.00 MiB")
