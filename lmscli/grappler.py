@@ -7,10 +7,9 @@ variable storage, so callers add resident bytes themselves.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
-from lmscli import timing
+from lmscli import forked
 from lmscli.errors import LmsError
 from lmscli.tfimport import tensorflow
 from lmscli.timing import timed
@@ -245,78 +244,8 @@ def folded_shapes(graph_def, fused: frozenset) -> frozenset:
     return frozenset(name for name in fused if ops.get(name) in SHAPE_OPS)
 
 
-FORK_MAX_THREADS = 2  # a process that has only imported TensorFlow and parsed graphs runs 2 threads
-
-
-def optimize_in_parallel(meta_graph, fetches) -> "Pending":
-    """Start :func:`optimize` beside the caller's own work; calling the result waits for the
-    GraphDef (or None, as :func:`optimize`); ``cancel()`` gives up on it.
-
-    Grappler's optimizer holds Python's lock for its whole run (16 s on a 60,000-node graph), so a
-    thread cannot overlap it with shape inference and Grappler's scheduler (12 s there). A forked
-    child can, on a second core. Forking is safe only before TensorFlow's runtime has started
-    thread pools (which a fork would copy in whatever state they are): this is done only while
-    the process runs no more threads than after importing TensorFlow and reading a graph, on
-    systems with ``fork`` and ``/proc``. Otherwise, or if the child fails, the optimization runs
-    here. ``LMS_NO_FORK=1`` turns it off."""
-    if not _may_fork():
-        return Pending(meta_graph, fetches)
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: optimize, send the result, leave without running the parent's exit code
-        code = 1
-        try:
-            os.close(read_end)
-            timing.detach()
-            graph = optimize(meta_graph, fetches)
-            with os.fdopen(write_end, "wb") as out:
-                out.write(b"-" if graph is None else b"+" + graph.SerializeToString())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    return Pending(meta_graph, fetches, pid, read_end)
-
-
-class Pending:
-    """The result of :func:`optimize_in_parallel`: from a child process, or computed on demand."""
-
-    def __init__(self, meta_graph, fetches, pid: int | None = None, pipe: int | None = None):
-        self.meta_graph, self.fetches, self.pid, self.pipe = meta_graph, fetches, pid, pipe
-
-    def __call__(self):
-        if self.pid is None:
-            return optimize(self.meta_graph, self.fetches)
-        with timing.phase("Grappler's optimizations (second process)"):
-            with os.fdopen(self.pipe, "rb") as pipe:
-                data = pipe.read()
-            _, status = os.waitpid(self.pid, 0)
-        self.pid = None
-        if status != 0 or not data:
-            return optimize(self.meta_graph, self.fetches)
-        if data[:1] == b"-":
-            return None
-        from tensorflow.core.framework import graph_pb2
-
-        graph = graph_pb2.GraphDef()
-        graph.ParseFromString(data[1:])
-        return graph
-
-    def cancel(self) -> None:
-        if self.pid is None:
-            return
-        import signal
-
-        os.kill(self.pid, signal.SIGKILL)
-        os.close(self.pipe)
-        os.waitpid(self.pid, 0)
-        self.pid = None
-
-
-def _may_fork() -> bool:
-    if os.environ.get("LMS_NO_FORK") == "1" or not hasattr(os, "fork"):
-        return False
-    try:
-        return len(os.listdir("/proc/self/task")) <= FORK_MAX_THREADS
-    except OSError:
-        return False
+def optimize_in_parallel(meta_graph, fetches) -> "forked.Pending":
+    """Start :func:`optimize` beside the caller's own work, in a second process where it may fork
+    (:mod:`lmscli.forked`); calling the result waits for the GraphDef (or None, as
+    :func:`optimize`); ``cancel()`` gives up on it."""
+    return forked.start("Grappler's optimizations (second process)", optimize, meta_graph, fetches)
