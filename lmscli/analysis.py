@@ -447,7 +447,9 @@ def binding(prepared: Prepared, swappable: set[int], baseline: SimResult | None 
     """No swap plan can go below this. At every instant of the step, these tensors are on the GPU:
     the inputs and outputs of the ops running then (ops that take no time share an instant, as
     in Grappler's accounting), and every live tensor that cannot be swapped; add everything
-    resident. Returns the instant where that is largest."""
+    resident. What a loop keeps is counted at the least it can be (``SimTensor.floor_bytes``: a
+    cond's branches in a loop split its iterations as the data says). Returns the instant where
+    that is largest."""
     schedule = prepared.schedule
     n = len(schedule)
     if n == 0:
@@ -465,14 +467,14 @@ def binding(prepared: Prepared, swappable: set[int], baseline: SimResult | None 
         last = t.consumers[-1] if t.consumers else t.producer
         lo = index[starts[t.producer]]
         hi = bisect.bisect_right(times, ends[last]) - 1
-        pinned[lo] += t.num_bytes
-        pinned[hi + 1] -= t.num_bytes
+        pinned[lo] += t.floor_bytes
+        pinned[hi + 1] -= t.floor_bytes
     running: dict[int, list[int]] = {}
     for k in range(n):
         running.setdefault(index[starts[k]], []).append(k)
         if ends[k] in index and ends[k] != starts[k]:
             running.setdefault(index[ends[k]], []).append(k)
-    size = {t.id: t.num_bytes for t in schedule.tensors}
+    size = {t.id: t.floor_bytes for t in schedule.tensors}
     produced: dict[int, list[int]] = {}
     for t in schedule.tensors:
         produced.setdefault(t.producer, []).append(t.id)
@@ -493,7 +495,7 @@ def binding(prepared: Prepared, swappable: set[int], baseline: SimResult | None 
     for t in schedule.tensors:
         last = t.consumers[-1] if t.consumers else t.producer
         if t.id in best_touched or (t.id not in swappable and starts[t.producer] <= time <= ends[last]):
-            held.append((schedule.label(t.id), t.num_bytes, t.id in swappable))
+            held.append((schedule.label(t.id), t.floor_bytes, t.id in swappable))
     held.sort(key=lambda h: (-h[1], h[0]))
     ops = tuple(running[best_i])
     return Bound(best + schedule.resident_bytes, ops[0], time, ops, best_level,
@@ -517,7 +519,7 @@ def _executor_binding(schedule: Schedule, swappable: set[int], base: SimResult) 
         if r < 0:
             continue
         if r == t.id:
-            size[r], first[r] = rounded(t.num_bytes), t.producer
+            size[r], first[r] = rounded(t.floor_bytes), t.producer
         last[r] = max(last.get(r, 0), t.consumers[-1] if t.consumers else t.producer)
         if t.id in swappable:
             movable.add(r)

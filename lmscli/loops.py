@@ -30,7 +30,7 @@ be read is left at one iteration, and :func:`notes` says so::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lmscli.graphview import GraphView
 
@@ -60,6 +60,9 @@ class Storage:
     kind: str  # "stack" or "tensor array"
     trips: int = 1  # iterations over one step of the loop the writer runs in (num_bytes: that many elements)
     sharers: tuple[int, ...] = ()  # other pushes keeping the same buffers (a value pushed on two stacks)
+    # A stack of the larger branch of a cond inside the loop: its share of what the loop keeps when
+    # every iteration takes the other branch (see _one_branch_per_cond); None: num_bytes.
+    least_bytes: int | None = None
 
 
 def trip_counts(view: GraphView) -> dict[str, Loop]:
@@ -170,7 +173,13 @@ def _one_branch_per_cond(view: GraphView, found: list[Storage]) -> list[Storage]
     split depends on the data. Counting every stack with every trip counted the branches twice
     over (QA: a 24-step loop alternating two branches was said to need 24.60 MiB at least, and
     trained under a 19 MiB hard limit); the larger branch's stacks with every trip are an upper
-    bound for any split, as the larger branch of a cond outside loops is for either."""
+    bound for any split, as the larger branch of a cond outside loops is for either.
+
+    A lower bound needs the other end: every iteration taking the smaller branch. Each kept stack
+    carries that share as ``least_bytes`` (its bytes times the smaller branch's bytes per
+    iteration over the larger's), so that the kept stacks sum to the smaller branch's stacks
+    with every trip (QA: with both branches at full size, the nested loop's lower bound was
+    21.60 MiB, and lms's own plan trained under 19 MiB on the stand-in)."""
     stacks = [s for s in found if s.kind == "stack"]
     if not stacks:
         return found
@@ -179,11 +188,21 @@ def _one_branch_per_cond(view: GraphView, found: list[Storage]) -> list[Storage]
     for s in stacks:
         for tag in tags[s.writer]:
             per_iteration[tag] = per_iteration.get(tag, 0) + s.num_bytes // s.trips
-    smaller = set()
+    smaller, share = set(), {}
     for pred in {pred for pred, _port in per_iteration}:
         kept = max((1, 0), key=lambda port: per_iteration.get((pred, port), 0))  # (a tie keeps the true branch)
         smaller.add((pred, 1 - kept))
-    return [s for s in found if s.kind != "stack" or not (tags[s.writer] & smaller)]
+        share[(pred, kept)] = (per_iteration.get((pred, 1 - kept), 0), per_iteration[(pred, kept)])
+    out = []
+    for s in found:
+        if s.kind == "stack" and tags[s.writer] & smaller:
+            continue
+        shares = [share[tag] for tag in tags[s.writer] if tag in share] if s.kind == "stack" else []
+        if shares:
+            least, per = min(shares, key=lambda f: f[0] / f[1])
+            s = replace(s, least_bytes=s.num_bytes * least // per)
+        out.append(s)
+    return out
 
 
 def _parallel_iterations(view: GraphView, enter: int) -> int:

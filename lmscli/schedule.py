@@ -33,6 +33,12 @@ class SimTensor:
     num_bytes: int
     consumers: tuple[int, ...]  # positions of the ops reading it, sorted, unique
     pieces: int = 1  # allocations it stands for: what a loop keeps, one per iteration (up to MAX_PIECES)
+    least_bytes: int | None = None  # what a loop keeps at least, if less (lmscli.loops.Storage.least_bytes)
+
+    @property
+    def floor_bytes(self) -> int:
+        """The bytes a lower bound counts: ``least_bytes`` if set, else ``num_bytes``."""
+        return self.num_bytes if self.least_bytes is None else self.least_bytes
 
 
 @dataclass(frozen=True)
@@ -110,7 +116,8 @@ class Schedule:
                 continue
             new_id[t.id] = len(tensors)
             tensors.append(SimTensor(len(tensors), new_pos[t.producer], t.output, t.num_bytes,
-                                     tuple(new_pos[c] for c in t.consumers if c not in drop_positions), t.pieces))
+                                     tuple(new_pos[c] for c in t.consumers if c not in drop_positions), t.pieces,
+                                     t.least_bytes))
         inputs = tuple(tuple(new_id[tid] for tid in self.inputs[pos] if tid in new_id) for pos in kept)
         pick = lambda values: tuple(values[pos] for pos in kept) if values else values  # noqa: E731
         pruned = replace(self, nodes=pick(self.nodes), names=pick(self.names), ops=pick(self.ops),
@@ -137,7 +144,8 @@ class Schedule:
         """``node:output``; for what a loop keeps across iterations, the op that keeps it."""
         t = self.tensors[tid]
         if t.output == STORAGE_OUTPUT:
-            return f"{self.names[t.producer]} (kept across loop iterations)"
+            least = ", if every iteration takes the smaller branch" if t.least_bytes is not None else ""
+            return f"{self.names[t.producer]} (kept across loop iterations{least})"
         return f"{self.names[t.producer]}:{t.output}"
 
 
@@ -307,7 +315,8 @@ def _add_storage(tensors: list, inputs: list, pos: int, kept, position: dict, n:
         readers = {loop_end}
     readers = tuple(sorted(readers)) or (n - 1,)
     tid = len(tensors)
-    tensors.append(SimTensor(tid, pos, STORAGE_OUTPUT, kept.num_bytes, readers, max(1, min(kept.trips, MAX_PIECES))))
+    tensors.append(SimTensor(tid, pos, STORAGE_OUTPUT, kept.num_bytes, readers, max(1, min(kept.trips, MAX_PIECES)),
+                             kept.least_bytes))
     for reader in readers:
         inputs[reader].append(tid)
 

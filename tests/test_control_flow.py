@@ -355,3 +355,39 @@ def test_a_cond_inside_a_loop_keeps_the_stacks_of_one_branch_every_trip(tmp_path
     assert all(view.names[s.writer].startswith("gradients/while/cond/") for s in kept)
     assert any("Relu" in view.names[s.writer] or "Sigmoid" in view.names[s.writer] or "mul" in view.names[s.writer]
                for s in kept)
+
+
+def test_a_lower_bound_counts_a_cond_in_a_loop_as_if_every_trip_took_the_smaller_branch(tmp_path, monkeypatch):
+    """Which branch of a cond in a loop each iteration takes depends on the data: the simulator
+    counts the larger branch's stacks with every trip (an upper bound, for plans), a lower bound
+    must count the smaller branch's. QA: with the larger branch's, a nested loop's lower bound was
+    21.60 MiB ("no plan can fit under 19.51 MiB"), and lms's own plan trained under 19 MiB on the
+    stand-in."""
+    from dataclasses import replace
+
+    from lmscli import loops
+    from lmscli.analysis import lower_bound
+    from lmscli.candidates import candidates
+
+    prepared = api.prepare(api.load(str(_alternating_loop(tmp_path / "alternating.meta"))))
+    view = prepared.view
+    tags = view.branch_tags(in_loops=True)
+    kept = [s for s in loops.storage(view) if s.kind == "stack" and tags[s.writer]]
+    with monkeypatch.context() as patch:  # every branch's stacks, each with every trip
+        patch.setattr(loops, "_one_branch_per_cond", lambda view, found: found)
+        both = [s for s in loops.storage(view) if s.kind == "stack" and tags[s.writer]]
+    per_branch: dict = {}
+    for s in both:
+        (tag,) = tags[s.writer]
+        per_branch[tag] = per_branch.get(tag, 0) + s.num_bytes
+    smaller, larger = sorted(per_branch.values())
+    assert smaller < larger and len(per_branch) == 2
+    assert sum(s.num_bytes for s in kept) == larger
+    assert smaller - len(kept) <= sum(s.least_bytes for s in kept) <= smaller
+    schedule = prepared.schedule
+    cands = set(candidates(view, schedule, fused=prepared.fused))
+    upper = replace(schedule, tensors=tuple(replace(t, least_bytes=None) for t in schedule.tensors))
+    at_most = lower_bound(replace(prepared, schedule=upper, schedules=(upper,)), cands)[0]
+    bound = lower_bound(prepared, cands)[0]
+    assert 0 < at_most - bound <= sum(s.num_bytes - s.least_bytes for s in kept)
+    assert api.analyze(prepared).lower_bound_bytes <= bound  # (less with the stacks lms can host)
