@@ -196,7 +196,6 @@ def _with_shapes(view: GraphView, shapes: dict) -> GraphView:
     return view if out is None else view.with_tensors(out)
 
 
-@timed("judge")
 def _filled(tensors: dict, known: dict) -> dict:
     """``tensors`` with the sizes ``known`` has for outputs of the same node it leaves unknown."""
     out = dict(tensors)

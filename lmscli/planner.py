@@ -204,10 +204,11 @@ class _Context:
         branches of the tensor (:meth:`tensor_tags`), which ``p`` must run in too."""
         return self.can_edge[p] and not self.absorbed[p] and branch_safe(self.tensor_tags(tid), self.tags[p])
 
-    def waiter(self, p: int, tid: int, after: int) -> int | None:
+    def waiter(self, p: int, tid: int, near: tuple[int, ...] = ()) -> int | None:
         """The op to wait for the swap-out of tensor ``tid`` so that its GPU copy is gone when the
         op at ``p`` starts: ``p`` itself if it may (:meth:`can_wait`), else its latest ancestor
-        after position ``after`` that may. A tensor made in a v1 cond branch is waited for inside
+        after the last of ``near`` (the consumers the tensor stays for; none: after its producer)
+        that may. A tensor made in a v1 cond branch is waited for inside
         that branch (QA: a cond net's stand-in search stuck at an op after the cond, which may not
         wait for a swap-out that never runs when the other branch is taken)::
 
@@ -215,6 +216,7 @@ class _Context:
         """
         if self.can_wait(p, tid):
             return p
+        after = near[-1] if near else self.schedule.tensors[tid].producer
         found = self.walk_ancestors(p, keep=lambda q: q > after, accept=lambda q: self.can_wait(q, tid))
         return None if found is CAPPED else found
 
@@ -411,7 +413,7 @@ def _gap_swap(ctx: _Context, cand: Candidate, p: int, result: SimResult,
     if ctx.waited_out or lo > p:
         # The swap-out leaves when p (or an ancestor of p, ctx.waiter) waits for it; on the
         # stand-in that op waits for the whole transfer, else for what is left of it (a stall).
-        w = ctx.waiter(p, t.id, near[-1] if near else t.producer)
+        w = ctx.waiter(p, t.id, near)
         if w is None:
             return None
         stall = transfer if ctx.waited_out else max(0, freed_at - starts[w])
@@ -746,7 +748,7 @@ def _late_free(ctx: _Context, chosen: dict, p: int, judged: _Judged) -> _Choice 
         if out_end.get(tid, 0) <= result.starts[p]:
             continue
         # (the ancestor walk last: the checks above are cheap)
-        w = ctx.waiter(p, tid, swap.near[-1] if swap.near else ctx.schedule.tensors[tid].producer)
+        w = ctx.waiter(p, tid, swap.near)
         if w is None or w in swap.waiters:
             continue
         if best is None or c.size > best.size:
