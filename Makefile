@@ -40,6 +40,7 @@ bench: install
 # full tensorflow wheel, which would replace tensorflow-cpu.
 bench-speed: install
 	$(BIN)/python -m pip install --quiet --no-deps tf-keras==2.21.0
+	$(BIN)/python bench/floor.py
 	$(BIN)/python bench/phases.py
 
 bench-quick: install

@@ -227,6 +227,11 @@ def render(meta: dict, rows: list[dict]) -> str:
     for row in rows:
         if row["graph"].startswith("synthetic 60,000"):
             lines.append(f"{row['graph']}, `{row['command']}`: {row['wall_s'] - imp:.1f} s beyond the import.")
+    floor = HERE / "out" / "floor.json"  # (bench/floor.py, which make bench-speed runs first)
+    if floor.exists():
+        import floor as floor_bench
+
+        lines += floor_bench.render(json.loads(floor.read_text()))
     lines.append("")
     return "\n".join(lines)
 
