@@ -16,8 +16,8 @@ from lmscli.candidates import Filters, candidates
 from lmscli.errors import InputError
 from lmscli.graphview import VARIABLE_OPS, GraphView, TensorInfo
 from lmscli.loader import Model
-from lmscli.schedule import STORAGE_OUTPUT, Schedule, build_schedules, loop_counts, variable_bytes
-from lmscli.simulator import SimResult, simulate
+from lmscli.model.schedule import STORAGE_OUTPUT, Schedule, build_schedules, loop_counts, variable_bytes
+from lmscli.model.simulator import SimResult, simulate
 from lmscli.timing import timed
 
 SCHEMA_VERSION = 1
@@ -100,7 +100,7 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
     ``cost_model="grappler"`` orders and times ops by Grappler's virtual scheduler on a virtual
     GPU (TensorFlow's own analytical model); ``"roofline"`` uses our FLOP/byte model. If Grappler
     cannot schedule the graph, the roofline model is used and a note says so. ``judge`` is the
-    memory model the schedule is counted by (:mod:`lmscli.memmodel`): ``executor`` (what a real
+    memory model the schedule is counted by (:mod:`lmscli.model.memmodel`): ``executor`` (what a real
     run allocates) or ``grappler`` (TensorFlow's static estimate). ``optimize=False`` skips
     computing what Grappler's default optimizations make of the graph (the optimizer guard needs it).
     ``prune_dead`` (default: under the executor judge) leaves out of the schedule the ops those
@@ -505,7 +505,7 @@ def _executor_binding(schedule: Schedule, swappable: set[int], base: SimResult) 
     """:func:`binding` under the executor's memory model: ops run one at a time, so the bound at
     an op is the buffers it reads and writes (a buffer reused in place counted once), its kernel
     scratch, every live buffer that no swap can move, and everything resident."""
-    from lmscli.memmodel import rounded, roots
+    from lmscli.model.memmodel import rounded, roots
 
     n = len(schedule)
     root = roots(schedule)
@@ -611,7 +611,7 @@ def _loop_notes(view: GraphView, active) -> tuple[str, ...]:
     """Notes when the step runs v1 while loops: their trip counts, or that they are unknown."""
     if not any(view.frames[i] for i in active):
         return ()
-    from lmscli import loops
+    from lmscli.model import loops
 
     return loops.notes(view, active, loop_counts(view))
 

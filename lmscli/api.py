@@ -73,7 +73,7 @@ def with_link_predictions(prepared: Prepared, result: TuneResult) -> TuneResult:
     (for graphs on several GPUs: the slowest GPU's step)."""
     from lmscli.device import LINKS
     from lmscli.plan import simulated
-    from lmscli.simulator import simulate
+    from lmscli.model.simulator import simulate
 
     per_link = {}
     for name in ("nvlink2", "pcie3"):
@@ -95,7 +95,7 @@ def replay(prepared: Prepared, plan: Plan) -> TuneResult:
     from lmscli.device import NO_BUDGET, Device
     from lmscli.plan import recompute_flops, simulated
     from lmscli.planner import predicted
-    from lmscli.simulator import simulate
+    from lmscli.model.simulator import simulate
 
     device = Device.from_dict(plan.device) if plan.device else Device(gpu_mem=NO_BUDGET)
     replays = []

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lmscli.graphview import CONTROL_FLOW_OPS, SHAPE_OPS, VARIABLE_OPS, GraphView
-from lmscli.schedule import Schedule
+from lmscli.model.schedule import Schedule
 
 NEVER_SWAP_PRODUCERS = frozenset({"Const", "HostConst", "BroadcastGradientArgs"}) | SHAPE_OPS | VARIABLE_OPS | CONTROL_FLOW_OPS
 
@@ -289,7 +289,7 @@ _OWN_BUFFER_NEVER = frozenset({"Placeholder", "PlaceholderWithDefault", "ReadVar
 def _sole_reader(view: GraphView, src: int, output: int) -> bool:
     """Has tensor ``(src, output)`` one reader, and does its buffer have no other (through the
     forwarding ops that make it: Identity, Reshape, ...)? Then its reader may reuse the buffer."""
-    from lmscli.memmodel import FORWARDING_OPS
+    from lmscli.model.memmodel import FORWARDING_OPS
 
     while True:
         readers = [dst for dst, _port, out in view.consumers[src] if out == output]
@@ -309,14 +309,14 @@ def _no_gain(schedule: Schedule) -> tuple[set[int], dict[int, tuple[int, ...]]]:
     made (an Identity or a cond's Switch forwards its input's buffer) frees it only when they are
     swapped too: ``shared`` maps it to them. Outputs that reuse a tensor's buffer in place do not
     count: a swap-out holds the buffer, so the kernel allocates instead (see
-    :func:`lmscli.simulator._executor_events`)::
+    :func:`lmscli.model.simulator._executor_events`)::
 
         x = Relu(...)  --> Switch --:1--> conv (branch) ... ConvGrad (branch)      x and Switch:1 are
                        --> ReluGrad (after the cond)                               one buffer: swap both
     """
     if schedule.memory_model != "executor" or not schedule.shares:
         return set(), {}
-    from lmscli.memmodel import roots
+    from lmscli.model.memmodel import roots
 
     root = roots(schedule)
     members: dict[int, list[int]] = {}

@@ -247,7 +247,7 @@ def _device(prepared, gpu_mem, device_preset, reserve, host_mem, link):
     """The device; ``prepared`` (a Prepared, or a function making one) is used only for N%."""
     from lmscli import api
     from lmscli.device import gpu_mem_from_text
-    from lmscli.simulator import simulate
+    from lmscli.model.simulator import simulate
 
     peak = None
     if isinstance(gpu_mem, str) and gpu_mem.strip().endswith("%"):
@@ -346,7 +346,7 @@ def report_option(func):
 def analyze(model, fmt, fetch, tag, batch_size, plot, report_file, stand_in, as_json, verbose, quiet, no_color):
     """Report a graph's size, levels, largest operation and peak memory without swapping."""
     from lmscli import api, report
-    from lmscli.simulator import simulate
+    from lmscli.model.simulator import simulate
 
     progress = _progress(quiet, as_json, no_color)
     with progress.phase(f"loading {model}"):

@@ -330,7 +330,7 @@ class GraphView:
         """The same structure with tensor facts attached (no structural work is redone)."""
         other = object.__new__(GraphView)
         other.__dict__.update(self.__dict__)
-        for key in ("_loop_storage", "_loop_counts", "_loop_trips"):  # (lmscli.schedule: sized or counted by shapes)
+        for key in ("_loop_storage", "_loop_counts", "_loop_trips"):  # (lmscli.model.schedule: sized or counted by shapes)
             other.__dict__.pop(key, None)
         other._tensors = {k: tuple(v) for k, v in tensors.items()}
         return other

@@ -2,7 +2,7 @@
 
 The gradient of a v1 loop saves what its backward pass needs from each forward iteration on a
 stack: a ``StackPushV2`` in the forward loop, a ``StackPopV2`` in the gradient loop. A stack holds
-``trips x`` the pushed value from the first push to the last pop (:mod:`lmscli.loops`), and on
+``trips x`` the pushed value from the first push to the last pop (:mod:`lmscli.model.loops`), and on
 recurrent nets over long sequences these stacks are the peak. Their values are made inside a loop
 frame, one per iteration, so they cannot be swapped tensor by tensor; the stack as a whole can
 live on the host. Its ``StackV2`` and every op that uses its handle (pushes, pops, closes) are
@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 
 from lmscli.errors import PlanError
 from lmscli.graphview import GraphView
-from lmscli.schedule import STORAGE_OUTPUT, Schedule, loop_storage
+from lmscli.model.schedule import STORAGE_OUTPUT, Schedule, loop_storage
 
 STACK_OPS = frozenset({"StackV2"})
 HANDLE_USERS = frozenset({"StackPushV2", "StackPopV2", "StackCloseV2"})
@@ -69,7 +69,7 @@ def hostable(view: GraphView, leave_out=frozenset()) -> tuple[Hostable, ...]:
     step does not run."""
     if not any(view.frames):
         return ()
-    from lmscli.loops import _stacks
+    from lmscli.model.loops import _stacks
 
     storage = [s for s in loop_storage(view) if s.kind == "stack"]
     if not storage:

@@ -12,8 +12,8 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from lmscli.errors import PlanError
-from lmscli.schedule import Schedule
-from lmscli.simulator import SimSwap, SwapIn
+from lmscli.model.schedule import Schedule
+from lmscli.model.simulator import SimSwap, SwapIn
 
 PLAN_SCHEMA = "lms.plan"
 PLAN_VERSION = 1
@@ -257,9 +257,9 @@ def recompute_cost(schedule: Schedule, positions) -> tuple[int, int]:
 
 def recompute_flops(recomputes, view) -> int:
     """Floating-point operations the clones of ``recomputes`` (:class:`PlannedRecompute`) compute
-    in a step: each chain's ops (:func:`lmscli.costmodel.op_flops`; element-wise ops count 0)
+    in a step: each chain's ops (:func:`lmscli.model.costmodel.op_flops`; element-wise ops count 0)
     once per group of consumers it serves."""
-    from lmscli.costmodel import op_flops
+    from lmscli.model.costmodel import op_flops
 
     return int(sum(op_flops(view, view.index[op]) * len(r.groups) for r in recomputes for op in r.ops
                    if op in view.index))

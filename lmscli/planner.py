@@ -35,8 +35,8 @@ from lmscli.candidates import (COND_PRODUCERS, Candidate, Filters, absorbed, bou
 from lmscli.device import Device
 from lmscli.errors import NoFitError
 from lmscli.plan import Plan, from_sim, graph_fingerprint, host_stacks_from, recompute_flops, recomputes_from_sim
-from lmscli.schedule import Schedule
-from lmscli.simulator import SimResult, SimSwap, SwapIn, simulate, transfer_us
+from lmscli.model.schedule import Schedule
+from lmscli.model.simulator import SimResult, SimSwap, SwapIn, simulate, transfer_us
 from lmscli.timing import timed
 from lmscli.units import format_size
 

@@ -77,11 +77,11 @@ def _title(prepared, plan, budget, baseline) -> str:
 
 def figure(prepared, result, title: str | None = None):
     """The matplotlib figure for a :class:`~lmscli.planner.TuneResult`, or for a bare no-swap
-    :class:`~lmscli.simulator.SimResult` (analyze)."""
+    :class:`~lmscli.model.simulator.SimResult` (analyze)."""
     _matplotlib()
     import matplotlib.pyplot as plt
 
-    from lmscli.simulator import SimResult
+    from lmscli.model.simulator import SimResult
 
     if isinstance(result, SimResult):
         baseline, after, plan, budget = result, None, None, None

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 from lmscli.candidates import fused_edge
 from lmscli.graphview import CONTROL_FLOW_OPS, VARIABLE_OPS, GraphView
-from lmscli.memmodel import FORWARDING_OPS, IN_PLACE_OPS, RESIDENT
-from lmscli.schedule import CONSTANT_OPS, Schedule
+from lmscli.model.memmodel import FORWARDING_OPS, IN_PLACE_OPS, RESIDENT
+from lmscli.model.schedule import CONSTANT_OPS, Schedule
 
 CHEAP_OPS = (IN_PLACE_OPS - {"AddN"}) | frozenset({
     "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "MaxPool", "AvgPool", "MaxPool3D", "AvgPool3D",
@@ -237,7 +237,7 @@ class Buffers:
         self.schedule = schedule
         self.last = [t.consumers[-1] if t.consumers else t.producer for t in schedule.tensors]
         if schedule.memory_model == "executor" and schedule.shares:
-            from lmscli.memmodel import roots
+            from lmscli.model.memmodel import roots
 
             self.root = roots(schedule)
         else:

@@ -208,7 +208,7 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
             raise
         # The graph as written is over the budget and below it nothing fits, but the graph
         # TensorFlow runs fits as it is (the judge below says so): plan nothing.
-        from lmscli.simulator import simulate
+        from lmscli.model.simulator import simulate
 
         margins[prepared.schedule.device] = device.budget - simulate(prepared.schedule, detail=False).peak_bytes
         result = plan_tune(prepared, device, options, margin=dict(margins))
@@ -353,7 +353,7 @@ def _resimulated(prepared: Prepared, result: TuneResult) -> TuneResult:
         return result
     from lmscli.plan import recompute_flops, simulated
     from lmscli.planner import predicted
-    from lmscli.simulator import simulate
+    from lmscli.model.simulator import simulate
 
     device = Device.from_dict(result.plan.device)
     sim = simulate(*simulated(result.plan, prepared.schedule, prepared.view), device.link_bandwidth)
@@ -368,7 +368,7 @@ def _run_margin(prepared: Prepared, device: Device, options: TuneOptions) -> int
     if (prepared.schedule.memory_model != "executor" or len(prepared.schedules) > 1
             or (options.strategy == "tflms" and options.tflms is not None)):
         return 0
-    from lmscli.simulator import simulate
+    from lmscli.model.simulator import simulate
 
     written = simulate(prepared.schedule, detail=False).peak_bytes
     runs = prepared.run_peak_bytes

@@ -196,8 +196,8 @@ def _lstm_loop(path, batch=32, steps=48, hidden=192, features=32):
 
 
 def test_loops_are_counted_with_their_trip_counts(samples):
-    from lmscli import loops
-    from lmscli.schedule import STORAGE_OUTPUT
+    from lmscli.model import loops
+    from lmscli.model.schedule import STORAGE_OUTPUT
 
     prepared = api.prepare(api.load(str(samples / "while_rnn.meta")))
     counted = loops.trip_counts(prepared.view)
@@ -245,7 +245,7 @@ def test_a_plan_triggering_from_a_branch_for_an_op_outside_it_is_refused(cond_br
 def test_a_loops_ops_take_time_for_every_iteration(samples, monkeypatch):
     """A loop body is scheduled once, in its order, but its ops' times count the loop's trip count
     (128 for stack_rnn's loops): the step time of a recurrent net is its iterations' time."""
-    from lmscli import schedule as sched_mod
+    from lmscli.model import schedule as sched_mod
 
     prepared = api.prepare(api.load(str(samples / "stack_rnn.meta")))
     view = prepared.view
@@ -342,7 +342,7 @@ def test_a_cond_inside_a_loop_keeps_the_stacks_of_one_branch_every_trip(tmp_path
     share the loop's trips. QA: counted with every trip each, the stacks of both branches made a
     24-step alternating loop "need" 24.60 MiB at least, and it trained under a 19 MiB hard limit.
     The larger branch's stacks with every trip bound any split; the smaller branch's are left out."""
-    from lmscli import loops
+    from lmscli.model import loops
 
     view = api.prepare(api.load(str(_alternating_loop(tmp_path / "alternating.meta")))).view
     tags = view.branch_tags(in_loops=True)
@@ -365,7 +365,7 @@ def test_a_lower_bound_counts_a_cond_in_a_loop_as_if_every_trip_took_the_smaller
     stand-in."""
     from dataclasses import replace
 
-    from lmscli import loops
+    from lmscli.model import loops
     from lmscli.analysis import lower_bound
     from lmscli.candidates import candidates
 

@@ -13,7 +13,8 @@ import json
 
 import pytest
 
-from lmscli import api, inline, loops
+from lmscli import api, inline
+from lmscli.model import loops
 from lmscli.prove import steps
 from tests.conftest import graph_def_from_nodes, invoke
 

@@ -16,8 +16,8 @@ import pytest
 from lmscli import api, hoststacks, optguard
 from lmscli.errors import PlanError
 from lmscli.plan import Plan, PlannedHostStack
-from lmscli.schedule import Schedule, SimTensor
-from lmscli.simulator import simulate
+from lmscli.model.schedule import Schedule, SimTensor
+from lmscli.model.simulator import simulate
 from tests.conftest import invoke, v1_training_graph
 from tests.test_control_flow import _lstm_loop
 

@@ -361,7 +361,7 @@ def test_gradients_waiting_at_a_join_are_swapped_through_identities_grappler_rem
     swap-in; Grappler still removes the Identity), and a later input of an AddN of three or more is
     swapped when the sum alone reads every input (the kernel accumulates into input 0 either way). Before,
     neither was: no plan at 40% of the peak (lower bound 62.3 MiB, budget 61.9 MiB; now 56.3)."""
-    from lmscli.simulator import simulate
+    from lmscli.model.simulator import simulate
     from tests.conftest import densenet_meta
     from tests.test_recompute import _identical
 
@@ -399,7 +399,7 @@ def test_a_swap_out_keeps_only_the_waiters_that_do_not_wait_through_another(samp
     into Gelu and dropout ops Grappler fuses, and the optimizer guard left eight tensors
     unswapped). Plans keep one waiter per independent path; the simulation is the same."""
     from lmscli.planner import _Context
-    from lmscli.simulator import SimSwap, SwapIn, simulate
+    from lmscli.model.simulator import SimSwap, SwapIn, simulate
 
     prepared = api.prepare(api.load(str(samples / "cond_branch.meta"))).observed(())
     sched, view = prepared.schedule, prepared.view

@@ -14,7 +14,7 @@ import pytest
 from lmscli import api
 from lmscli.planner import TuneOptions
 from lmscli.rewriter import is_lms_node
-from lmscli.simulator import SimSwap, SwapIn, simulate
+from lmscli.model.simulator import SimSwap, SwapIn, simulate
 from tests.conftest import invoke
 
 
@@ -80,7 +80,7 @@ def _between(prepared, share: float) -> int:
 def test_a_recomputation_frees_the_gap_and_costs_its_clones_time():
     """The simulator: a tensor made again is gone between its near and far consumers, comes back
     when the trigger ends, and the clones' time delays every later op."""
-    from lmscli.schedule import Schedule, SimTensor
+    from lmscli.model.schedule import Schedule, SimTensor
 
     # a -> t0 (1000 B) read by b and e; b -> t1 -> c -> t2 (800 B) -> d -> t3 -> e.
     sched = Schedule(nodes=(0, 1, 2, 3, 4), names=("a", "b", "c", "d", "e"), ops=("Relu",) * 5,

@@ -5,8 +5,8 @@ import math
 import pytest
 
 from lmscli import analysis, grappler, loader
-from lmscli.schedule import STORAGE_OUTPUT, Schedule, SimTensor
-from lmscli.simulator import SimSwap, SwapIn, simulate
+from lmscli.model.schedule import STORAGE_OUTPUT, Schedule, SimTensor
+from lmscli.model.simulator import SimSwap, SwapIn, simulate
 from tests.conftest import TRAINING_SAMPLES
 
 
@@ -226,7 +226,7 @@ def test_executor_variable_reads_are_the_variable():
 
 
 def test_allocator_high_water_counts_fragmentation():
-    from lmscli.memmodel import allocator_high_water
+    from lmscli.model.memmodel import allocator_high_water
 
     # a and b side by side; a is freed; c (larger than a's hole) must go above b: the step needs
     # a + b + c of address space although at most b + c is live.
@@ -242,7 +242,7 @@ def test_a_bounded_region_hands_its_last_chunk_out_whole():
     region is handed out whole when it is less than twice a request, and what it has beyond the
     request is lost. Measured: an 8 MiB request took a 13.75 MiB chunk and the step ran out of
     memory at 60 MiB, where the unbounded model said 55 MiB were enough."""
-    from lmscli.memmodel import allocator_high_water, bounded_min_limit, fits_in_region
+    from lmscli.model.memmodel import allocator_high_water, bounded_min_limit, fits_in_region
 
     mib = 1 << 20
     events = [(0, 0, 1, 0, 10 * mib), (1, 0, 1, 1, 6 * mib), (2, 0, 1, 2, 8 * mib), (3, 0, 1, 3, 1 * mib)]
@@ -258,7 +258,7 @@ def test_what_a_loop_keeps_is_placed_one_iteration_at_a_time():
     tensors, two 3 MiB holes take its six 1 MiB elements, where one 6 MiB block fits nowhere in an
     8 MiB region (a tanh RNN's stacks, placed as one block, needed a 20 MiB limit; the stand-in,
     14 MiB)."""
-    from lmscli.memmodel import fits_in_region, in_pieces
+    from lmscli.model.memmodel import fits_in_region, in_pieces
 
     mib = 1 << 20
     tensors = [SimTensor(0, 0, 0, 3 * mib, (2,)), SimTensor(1, 0, 0, 1 * mib, (5,)), SimTensor(2, 0, 0, 3 * mib, (2,)),
@@ -286,8 +286,8 @@ def test_what_no_loop_pops_is_held_to_the_end_of_its_loop_if_a_list_and_of_the_s
     accumulator is a value: unpopped (the gradient did not need it), it is dropped when its loop
     ends (QA: a tf_keras GRU's 18.75 MiB of such lists counted at a later peak; 51 MiB predicted,
     33 measured, 40 since)."""
-    from lmscli.loops import Storage
-    from lmscli.schedule import _add_storage
+    from lmscli.model.loops import Storage
+    from lmscli.model.schedule import _add_storage
 
     for value, last in ((True, 5), (False, 9)):
         tensors, inputs = [], [[] for _ in range(10)]

@@ -51,7 +51,7 @@ def predict(model, batch_size: int | None = None, observation=None, stand_in=Non
     from lmscli.prove import steps
     from lmscli.analysis import RUN_JUDGE_MAX_OPS, run_graph, run_peak_of
     from lmscli.prove.standin import shared
-    from lmscli.simulator import simulate
+    from lmscli.model.simulator import simulate
 
     meta, _ = steps.map_gpu_ops(model.meta_graph)
     model = api.Model(model.path, model.format, meta, tuple(model.fetches), model.fetch_source, list(model.notes))

@@ -98,7 +98,7 @@ def _figures(model, fetches, batch_size, measure: bool, notes: list, label: str,
     from lmscli import api, grappler
     from lmscli.hoststacks import STACK_OPS
     from lmscli.prove.measure import measure_peak
-    from lmscli.simulator import simulate
+    from lmscli.model.simulator import simulate
 
     gpu_ops = {node.name: node.op for node in model.graph_def.node if node.op in GPU_COPY_OPS}
     meta, _ = map_gpu_ops(model.meta_graph)  # the simulator, Grappler and TF's CPU build need known ops

@@ -38,7 +38,7 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
-from lmscli.schedule import Schedule
+from lmscli.model.schedule import Schedule
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
     ``detail=False`` computes the peaks, traffic and times only (no curves, no per-position
     memory, no live set): what a search needs to decide fit or no fit. ``allocator=True`` (executor
     model) also places every allocation as the BFC allocator does, for the limit the step needs
-    with fragmentation (:func:`lmscli.memmodel.allocator_high_water`)."""
+    with fragmentation (:func:`lmscli.model.memmodel.allocator_high_water`)."""
     n = len(schedule)
     tensors = schedule.tensors
     swap_of = {s.tensor: s for s in swaps}
@@ -264,7 +264,7 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
     compute_us = sum(schedule.compute)
     allocator_peak = peak + schedule.resident_bytes
     if allocator and executor:
-        from lmscli.memmodel import allocator_high_water, bounded_min_limit, in_pieces
+        from lmscli.model.memmodel import allocator_high_water, bounded_min_limit, in_pieces
 
         events = in_pieces(events, schedule.tensors)
         allocator_peak = max(allocator_peak, allocator_high_water(events, schedule.resident_bytes))
@@ -336,14 +336,14 @@ def _host_events(tensors, swap_of, out_start, out_end, in_end):
 
 
 def _executor_events(schedule, swap_of, start, end, out_start, out_end, in_start, in_end):
-    """Memory events of TensorFlow's executor (see :mod:`lmscli.memmodel`): one buffer per group of
+    """Memory events of TensorFlow's executor (see :mod:`lmscli.model.memmodel`): one buffer per group of
     tensors sharing it (forwarded or reused in place), allocated when its first tensor's producer
     starts and freed after the last use of any of them; ops one after another, each freeing what it
     was the last to read before the next allocates; sizes rounded as the allocator rounds them.
 
     Order keys are ``4 * position + phase``: 0 allocation, 1 scratch free, 2 free after an op,
     3 free when a swap-out ends (after the allocations of the op running then)."""
-    from lmscli.memmodel import OWN, RESIDENT, rounded
+    from lmscli.model.memmodel import OWN, RESIDENT, rounded
 
     tensors = schedule.tensors
     shares, in_place = schedule.shares, schedule.in_place

@@ -18,7 +18,7 @@ import heapq
 from dataclasses import dataclass
 from functools import cached_property
 
-from lmscli.costmodel import op_time
+from lmscli.model.costmodel import op_time
 from lmscli.graphview import DEFAULT_GPU, VARIABLE_OPS, GraphView
 from lmscli.timing import timed
 
@@ -33,7 +33,7 @@ class SimTensor:
     num_bytes: int
     consumers: tuple[int, ...]  # positions of the ops reading it, sorted, unique
     pieces: int = 1  # allocations it stands for: what a loop keeps, one per iteration (up to MAX_PIECES)
-    least_bytes: int | None = None  # what a loop keeps at least, if less (lmscli.loops.Storage.least_bytes)
+    least_bytes: int | None = None  # what a loop keeps at least, if less (lmscli.model.loops.Storage.least_bytes)
 
     @property
     def floor_bytes(self) -> int:
@@ -54,12 +54,12 @@ class Schedule:
     variable_bytes: int  # variables placed on this GPU (resident for the whole step)
     constant_bytes: int
     device: str = DEFAULT_GPU  # the GPU this schedule describes (graphs may place ops on several)
-    memory_model: str = "grappler"  # how the simulator counts memory (see lmscli.memmodel)
+    memory_model: str = "grappler"  # how the simulator counts memory (see lmscli.model.memmodel)
     shares: tuple[int, ...] = ()  # executor model: per tensor, the tensor whose buffer it shares
     in_place: tuple[bool, ...] = ()  # executor model: per tensor, that link is an in-place reuse
     scratch: tuple[int, ...] = ()  # per position, kernel scratch bytes held while the op runs
     # The CPU stand-in's executor: a swap-out's transfer starts only when an op waits for it (see
-    # lmscli.simulator); a GPU's starts when its producer ends.
+    # lmscli.model.simulator); a GPU's starts when its producer ends.
     waited_sends: bool = False
     # Gradient stacks kept on the host (lmscli.hoststacks): per loop and direction, (position,
     # bytes copied over one step, microseconds of the loop's compute those copies can hide behind),
@@ -77,7 +77,7 @@ class Schedule:
         """The same schedule counted by another memory model (``executor`` or ``grappler``)."""
         from dataclasses import replace
 
-        from lmscli import memmodel
+        from lmscli.model import memmodel
 
         if memory_model not in memmodel.MODELS:
             raise ValueError(f"unknown memory model {memory_model!r}")
@@ -250,11 +250,11 @@ MAX_PIECES = 1024  # allocations the allocator model places for one such tensor 
 
 
 def loop_storage(view: GraphView):
-    """What the graph's v1 while loops keep across iterations (:func:`lmscli.loops.storage`),
+    """What the graph's v1 while loops keep across iterations (:func:`lmscli.model.loops.storage`),
     computed once per view with tensor facts."""
     cached = view.__dict__.get("_loop_storage")
     if cached is None:
-        from lmscli import loops
+        from lmscli.model import loops
 
         cached = loops.storage(view, loop_counts(view)) if any(view.frames) else ()
         view.__dict__["_loop_storage"] = cached
@@ -266,7 +266,7 @@ def loop_trips(view: GraphView) -> dict[str, int]:
     it); frames whose count lms cannot read are left out (their body counts once)."""
     cached = view.__dict__.get("_loop_trips")
     if cached is None:
-        from lmscli import loops
+        from lmscli.model import loops
 
         counts = loop_counts(view)
         cached = {frame: total for frame in counts
@@ -277,10 +277,10 @@ def loop_trips(view: GraphView) -> dict[str, int]:
 
 def loop_counts(view: GraphView):
     """Per v1 while-loop frame, its trip count as read from the graph
-    (:func:`lmscli.loops.trip_counts`), once per view."""
+    (:func:`lmscli.model.loops.trip_counts`), once per view."""
     cached = view.__dict__.get("_loop_counts")
     if cached is None:
-        from lmscli import loops
+        from lmscli.model import loops
 
         cached = loops.trip_counts(view) if any(view.frames) else {}
         view.__dict__["_loop_counts"] = cached

@@ -264,10 +264,10 @@ def _arrays(view: GraphView) -> dict[int, tuple[list[int], list[int]]]:
 def _new_buffer_each_iteration(view: GraphView, node: int, port: int, seen: set) -> tuple[int, int] | None:
     """The tensor whose value ``node`` keeps (its input ``port``), if it takes a new buffer each
     iteration, not yet kept by another stack or array (else None)? Not so for a variable's read (the variable's own buffer, see
-    :data:`lmscli.memmodel.RESIDENT_READS`), a constant, or a value made outside the loop (the same
+    :data:`lmscli.model.memmodel.RESIDENT_READS`), a constant, or a value made outside the loop (the same
     buffer every iteration); an Identity forwards its input's buffer."""
     from lmscli.graphview import VARIABLE_OPS
-    from lmscli.memmodel import RESIDENT_READS
+    from lmscli.model.memmodel import RESIDENT_READS
 
     inputs = view.data_inputs[node]
     if len(inputs) <= port:
