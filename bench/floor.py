@@ -45,7 +45,8 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     import tensorflow  # noqa: F401  (the import is not part of the floor: the speed targets count beyond it)
 
-    from lmscli import api, grappler, shapes
+    from lmscli import api, grappler
+    from lmscli.graph import shapes
     from lmscli.planner import tune as plan_tune
     from lmscli.rewriter import emit
 

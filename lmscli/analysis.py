@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from lmscli import hoststacks
 from lmscli.candidates import Filters, candidates
 from lmscli.errors import InputError
-from lmscli.graphview import VARIABLE_OPS, GraphView, TensorInfo
+from lmscli.graph.graphview import VARIABLE_OPS, GraphView, TensorInfo
 from lmscli.loader import Model
 from lmscli.model.schedule import STORAGE_OUTPUT, Schedule, build_schedules, loop_counts, variable_bytes
 from lmscli.model.simulator import SimResult, simulate
@@ -110,7 +110,7 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
     facts by node name (of the graph as written) for outputs whose size inference leaves unknown
     (Grappler's rewrite of a v1 loop can defeat TensorFlow's shape inference inside it).
     """
-    from lmscli import shapes
+    from lmscli.graph import shapes
 
     if cost_model not in ("grappler", "roofline"):
         raise InputError(f"unknown cost model {cost_model!r} (use grappler or roofline)")

@@ -26,14 +26,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lmscli.graphview import CONTROL_FLOW_OPS, SHAPE_OPS, VARIABLE_OPS, GraphView
+from lmscli.graph.graphview import CONTROL_FLOW_OPS, SHAPE_OPS, VARIABLE_OPS, GraphView
 from lmscli.model.schedule import Schedule
 
 NEVER_SWAP_PRODUCERS = frozenset({"Const", "HostConst", "BroadcastGradientArgs"}) | SHAPE_OPS | VARIABLE_OPS | CONTROL_FLOW_OPS
 
 # An Identity's output is its input's value: when Grappler removes one, its consumers read that
 # input instead, so its output still exists (unlike an op fused into a kernel) and may be swapped.
-# That is allowed for the Identities lms's inlining makes (lmscli.inline.BOUNDARY_ATTR): a
+# That is allowed for the Identities lms's inlining makes (lmscli.graph.inline.BOUNDARY_ATTR): a
 # TensorFlow 2 backward function reads every activation it needs through them, so without them
 # nothing crossing a function boundary could be swapped; and for other removed forwarding ops
 # (REMOVED_ALIASES below), which are swapped but never recomputed (clones of them made
@@ -247,7 +247,7 @@ def removed_alias(view: GraphView, node: int) -> bool:
 
 def boundary(view: GraphView, node: int) -> bool:
     """Is ``node`` an Identity lms's inlining made for a call's argument or result?"""
-    from lmscli.inline import BOUNDARY_ATTR
+    from lmscli.graph.inline import BOUNDARY_ATTR
 
     return view.ops[node] in ALIAS_OPS and BOUNDARY_ATTR in view.node_defs[node].attr
 

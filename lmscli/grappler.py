@@ -54,11 +54,11 @@ def placed_metagraph(meta_graph, fetches):
     """A copy of ``meta_graph`` placed on the virtual cluster, with a ``train_op`` collection, and
     the GPUs it uses: ``(meta, gpus)``. Each GPU the graph names (unplaced nodes are on the first
     one, as TensorFlow's placer does) becomes a virtual GPU; ``gpus[k]`` is virtual GPU ``k``'s
-    name in the graph (:func:`lmscli.graphview.gpu_key`); nodes on a CPU go to the host."""
+    name in the graph (:func:`lmscli.graph.graphview.gpu_key`); nodes on a CPU go to the host."""
     tensorflow()
     from tensorflow.core.protobuf import meta_graph_pb2
 
-    from lmscli.graphview import gpu_key
+    from lmscli.graph.graphview import gpu_key
 
     meta = meta_graph_pb2.MetaGraphDef()
     meta.CopyFrom(meta_graph)
@@ -197,7 +197,7 @@ def dead_nodes(graph_def, optimized, fetches) -> frozenset:
     the control edges of its ``tuple`` groups, which the dependency optimizer removes."""
     if optimized is None:
         return frozenset()
-    from lmscli.graphview import parse_input
+    from lmscli.graph.graphview import parse_input
 
     producers = {node.name: [parse_input(text)[0] for text in node.input if not text.startswith("^")]
                  for node in graph_def.node}
@@ -238,7 +238,7 @@ def folded_shapes(graph_def, fused: frozenset) -> frozenset:
 
         Relu (forward branch) --> ShapeN (gradient branch, folded) --> Conv2DBackpropInput
     """
-    from lmscli.graphview import SHAPE_OPS
+    from lmscli.graph.graphview import SHAPE_OPS
 
     ops = {node.name: node.op for node in graph_def.node}
     return frozenset(name for name in fused if ops.get(name) in SHAPE_OPS)

@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from lmscli.errors import PlanError
-from lmscli.graphview import GraphView
+from lmscli.graph.graphview import GraphView
 from lmscli.model.schedule import STORAGE_OUTPUT, Schedule, loop_storage
 
 STACK_OPS = frozenset({"StackV2"})

@@ -242,9 +242,9 @@ def load(path: str, fmt: str | None = None, fetch: list[str] | None = None, tag:
 
 
 def _inline_calls(model: Model) -> None:
-    """Calls into the function library become their bodies (:mod:`lmscli.inline`), with a note;
+    """Calls into the function library become their bodies (:mod:`lmscli.graph.inline`), with a note;
     the checkpoint's save and restore functions stay calls (no step runs them)."""
-    from lmscli import inline
+    from lmscli.graph import inline
 
     saver = model.meta_graph.saver_def if model.meta_graph.HasField("saver_def") else None
     keep = frozenset(_node_of(n) for n in (saver.save_tensor_name, saver.restore_op_name) if n) if saver else frozenset()
@@ -266,8 +266,8 @@ def _inline_calls(model: Model) -> None:
 
 
 def lower_functional_control_flow(model: Model) -> None:
-    """Functional If/While/Case the step runs become v1 control flow (:func:`lmscli.inline.lower_control_flow`)."""
-    from lmscli import inline
+    """Functional If/While/Case the step runs become v1 control flow (:func:`lmscli.graph.inline.lower_control_flow`)."""
+    from lmscli.graph import inline
 
     if not any(n.op in inline.FUNCTIONAL_OPS for n in model.graph_def.node):
         return
@@ -287,7 +287,7 @@ def lower_functional_control_flow(model: Model) -> None:
 
 def _check_structure(model: Model):
     """Duplicate names, dangling inputs and cycles, reported as GraphError; returns the GraphView."""
-    from lmscli.graphview import GraphView
+    from lmscli.graph.graphview import GraphView
 
     try:
         return GraphView(model.graph_def)
@@ -331,7 +331,7 @@ def _signature_fetches(meta, names: set[str], calls: dict) -> tuple[str, tuple[s
     signatures call functions (TensorFlow 2), the only one. An output of an inlined call is
     fetched as the call (which waits for the function's updates)."""
     signatures = {k: v for k, v in meta.signature_def.items() if not k.startswith("__saved_model")}
-    from lmscli.inline import BOUNDARY_ATTR
+    from lmscli.graph.inline import BOUNDARY_ATTR
 
     functions = bool(calls) or any(BOUNDARY_ATTR in n.attr for n in meta.graph_def.node)  # (or read back)
     keys = [k for k in sorted(signatures) if "train" in k.lower()] or (sorted(signatures) if functions else [])
@@ -345,7 +345,7 @@ def _signature_fetches(meta, names: set[str], calls: dict) -> tuple[str, tuple[s
 
 def _inlined_call(graph_def, node: str) -> str | None:
     """The call an output of lms's inlining stands for, in a graph read back after a rewrite:
-    ``c/output_k`` read by a ``NoOp`` named ``c`` (see :mod:`lmscli.inline`)."""
+    ``c/output_k`` read by a ``NoOp`` named ``c`` (see :mod:`lmscli.graph.inline`)."""
     call, sep, tail = node.rpartition("/output_")
     if not sep or not tail.isdigit():
         return None

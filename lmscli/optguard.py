@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from lmscli.graphview import parse_input
+from lmscli.graph.graphview import parse_input
 from lmscli.rewriter import is_lms_node
 from lmscli.timing import timed
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lmscli.candidates import fused_edge
-from lmscli.graphview import CONTROL_FLOW_OPS, VARIABLE_OPS, GraphView
+from lmscli.graph.graphview import CONTROL_FLOW_OPS, VARIABLE_OPS, GraphView
 from lmscli.model.memmodel import FORWARDING_OPS, IN_PLACE_OPS, RESIDENT
 from lmscli.model.schedule import CONSTANT_OPS, Schedule
 

@@ -55,7 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lmscli.errors import GraphError, PlanError
-from lmscli.graphview import GraphView, gpu_key, parse_input
+from lmscli.graph.graphview import GraphView, gpu_key, parse_input
 from lmscli.plan import Plan
 from lmscli.timing import timed
 

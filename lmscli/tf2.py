@@ -20,7 +20,7 @@ The rewritten graph (the plan's swap and recompute nodes added) gets its placeho
 imported into a new ``tf.function`` that feeds them the call's arguments and the original
 variables' handles. Calls of other functions inside the step are inlined, and its functional
 control flow (``If``/``While`` of ``tf.cond``/``tf.while_loop``) lowered to Switch/Merge and
-Enter/Exit, as TensorFlow's runtime does (:mod:`lmscli.inline`).
+Enter/Exit, as TensorFlow's runtime does (:mod:`lmscli.graph.inline`).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def model_of(concrete_function, name: str | None = None):
     from tensorflow.core.protobuf import meta_graph_pb2
     from tensorflow.python.ops import handle_data_util
 
-    from lmscli import inline
+    from lmscli.graph import inline
     from lmscli.loader import Model, lower_functional_control_flow
 
     graph = getattr(concrete_function, "graph", None)
@@ -78,7 +78,7 @@ def model_of(concrete_function, name: str | None = None):
         raise InputError("lmscli.tf2 needs a concrete function: step.get_concrete_function(*input_specs)")
     graph_def = graph.as_graph_def()
     renamed = {}
-    if inline.has_calls(graph_def):  # nested tf.functions: their bodies, inlined (lmscli.inline)
+    if inline.has_calls(graph_def):  # nested tf.functions: their bodies, inlined (lmscli.graph.inline)
         done = inline.inline_calls(graph_def)
         graph_def, renamed = done.graph_def, done.renamed
     handles = tuple(concrete_function.captured_inputs)

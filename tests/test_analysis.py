@@ -124,7 +124,7 @@ def test_batch_size_changes_nothing_when_every_batch_dimension_is_known(samples)
     """``--batch-size`` equal to a static graph's batch changes nothing: the ``_output_shapes``
     TensorFlow cannot infer again (inside lowered functional loops) are kept (QA: a GRU's figures
     changed, with 144 more tensors of unknown size). With an unknown batch they are re-inferred."""
-    from lmscli import shapes
+    from lmscli.graph import shapes
 
     static = loader.load(str(samples / "cnn.meta")).graph_def
     static.node[0].attr["_output_shapes"].list.shape.add()  # an attribute that must stay

@@ -14,7 +14,7 @@ import pytest
 
 from lmscli import api
 from lmscli.candidates import branch_safe
-from lmscli.graphview import GraphView
+from lmscli.graph.graphview import GraphView
 from lmscli.prove import steps
 from tests.conftest import invoke, v1_training_graph
 

@@ -1,4 +1,4 @@
-"""Graphs whose step lives in the function library: calls inlined (lmscli.inline), planned and
+"""Graphs whose step lives in the function library: calls inlined (lmscli.graph.inline), planned and
 rewritten inside the bodies, trained bit-identically.
 
 ``tf2_step/`` is a TensorFlow 2 SavedModel (sample_graphs/tf2_step.py): its signature ``train`` is
@@ -13,7 +13,8 @@ import json
 
 import pytest
 
-from lmscli import api, inline
+from lmscli import api
+from lmscli.graph import inline
 from lmscli.model import loops
 from lmscli.prove import steps
 from tests.conftest import graph_def_from_nodes, invoke

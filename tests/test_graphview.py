@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmscli.errors import GraphError
-from lmscli.graphview import GraphView, gpu_key, parse_input
+from lmscli.graph.graphview import GraphView, gpu_key, parse_input
 from tests.conftest import graph_def_from_nodes
 
 

@@ -223,7 +223,7 @@ def test_activations_fused_into_their_producer_stay_swappable():
     batch norm's name): the Relu's output is then the fused kernel's, and still worth swapping (on a
     tf_keras DenseNet-121 those outputs are most of the activations). Other fused-away nodes are not."""
     from lmscli.candidates import absorbed
-    from lmscli.graphview import GraphView
+    from lmscli.graph.graphview import GraphView
     from tests.conftest import graph_def_from_nodes
 
     f32 = {"type": 1}

@@ -103,7 +103,8 @@ def test_the_tensors_of_a_tf_range_loop_have_their_sizes():
     0 bytes; QA: 97 in a static step), Grappler's knows them, and lms takes its sizes."""
     import tensorflow as tf
 
-    from lmscli import api, shapes
+    from lmscli import api
+    from lmscli.graph import shapes
 
     w = tf.Variable(tf.ones([32, 32]) * 0.01)
 

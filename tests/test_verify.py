@@ -252,7 +252,7 @@ def test_chain_leaves_control_flow_alone():
 def test_the_nodes_of_a_cond_branch_are_chained_among_themselves():
     """In a cond branch the measurement chains only nodes of the same branch: never a node outside
     the branch (a dead branch would stop it) nor one of the other branch."""
-    from lmscli.graphview import GraphView
+    from lmscli.graph.graphview import GraphView
 
     model = api.load(str(SAMPLES / "cond_cnn.meta"))
     meta = type(model.meta_graph)()

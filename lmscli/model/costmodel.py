@@ -9,7 +9,7 @@ constants, control flow) cost nothing, as in Grappler.
 
 from __future__ import annotations
 
-from lmscli.graphview import CONTROL_FLOW_OPS, VARIABLE_OPS, GraphView
+from lmscli.graph.graphview import CONTROL_FLOW_OPS, VARIABLE_OPS, GraphView
 
 COMPUTE_EFFICIENCY = 0.6  # achieved share of peak FLOP/s for dense kernels
 

@@ -6,7 +6,7 @@ two things grow with the number of iterations and outlive the loop:
 * **gradient stacks**: the gradient of a loop saves each iteration's forward values with a
   ``StackPushV2`` in the forward loop and takes them back with a ``StackPopV2`` in the gradient
   loop; a stack holds ``trips x`` the pushed tensor from its pushes to its pops. A TensorFlow 2
-  loop (a ``While`` lowered by lms, see :mod:`lmscli.inline`) does the same with TensorList
+  loop (a ``While`` lowered by lms, see :mod:`lmscli.graph.inline`) does the same with TensorList
   accumulators (``TensorListPushBack``, ``TensorListPopBack``);
 * **TensorArrays**: a ``TensorArrayWriteV3`` in a loop stores one element per iteration until the
   array is read, gathered or concatenated after it (``dynamic_rnn``'s outputs); a
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from lmscli.graphview import GraphView
+from lmscli.graph.graphview import GraphView
 
 PUSH_OPS = frozenset({"StackPushV2", "StackPush", "TensorListPushBack"})
 POP_OPS = frozenset({"StackPopV2", "StackPop", "TensorListPopBack"})
@@ -266,7 +266,7 @@ def _new_buffer_each_iteration(view: GraphView, node: int, port: int, seen: set)
     iteration, not yet kept by another stack or array (else None)? Not so for a variable's read (the variable's own buffer, see
     :data:`lmscli.model.memmodel.RESIDENT_READS`), a constant, or a value made outside the loop (the same
     buffer every iteration); an Identity forwards its input's buffer."""
-    from lmscli.graphview import VARIABLE_OPS
+    from lmscli.graph.graphview import VARIABLE_OPS
     from lmscli.model.memmodel import RESIDENT_READS
 
     inputs = view.data_inputs[node]

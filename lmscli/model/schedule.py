@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from lmscli.model.costmodel import op_time
-from lmscli.graphview import DEFAULT_GPU, VARIABLE_OPS, GraphView
+from lmscli.graph.graphview import DEFAULT_GPU, VARIABLE_OPS, GraphView
 from lmscli.timing import timed
 
 CONSTANT_OPS = frozenset({"Const", "HostConst"})

@@ -186,7 +186,7 @@ def serialize(meta, order) -> int:
     ran as the executor pleased, and a swap-out in a branch could leave after the peak (QA: a
     rewrite that saved 16 MiB measured as saving nothing). Returns the number of edges added.
     """
-    from lmscli.graphview import GraphView
+    from lmscli.graph.graphview import GraphView
 
     loops, conds = _control_flow_regions(meta.graph_def)
     skip = _initializer_ancestors(meta) | loops

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lmscli.errors import InputError, LmsError
-from lmscli.graphview import parse_input
+from lmscli.graph.graphview import parse_input
 from lmscli.rewriter import is_lms_node
 from lmscli.tfimport import tensorflow
 
@@ -200,7 +200,7 @@ def rewrite_batch_size(original, rewritten, batch_size: int | None) -> int | Non
     something else and a proof would report a difference that is not there. Without a
     ``batch_size``, that N (None when the rewrite set none); a different ``batch_size`` is an
     InputError. ``original`` and ``rewritten`` are MetaGraphDefs."""
-    from lmscli.shapes import batch_sizes_set
+    from lmscli.graph.shapes import batch_sizes_set
 
     fixed = batch_sizes_set(original.graph_def, rewritten.graph_def)
     if len(fixed) > 1:

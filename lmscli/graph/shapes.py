@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 
 from lmscli.errors import InputError
-from lmscli.graphview import TensorInfo
+from lmscli.graph.graphview import TensorInfo
 from lmscli.tfimport import tensorflow
 from lmscli.timing import timed
 
