@@ -317,11 +317,12 @@ def _write_report(path: str, doc: dict, prepared, result) -> None:
     """--report: the HTML page of ``doc`` with the plot (when matplotlib is installed), atomically."""
     import importlib.util
 
-    from lmscli import api, html_report
+    from lmscli import api
+    from lmscli.report import html as html_report
 
     svg = None
     if importlib.util.find_spec("matplotlib") is not None:
-        from lmscli import plots
+        from lmscli.report import plots
 
         svg = plots.memory_svg(prepared, result)
     api.atomic_write(path, html_report.render(doc, svg).encode("utf-8"))
@@ -345,7 +346,8 @@ def report_option(func):
 @output_options
 def analyze(model, fmt, fetch, tag, batch_size, plot, report_file, stand_in, as_json, verbose, quiet, no_color):
     """Report a graph's size, levels, largest operation and peak memory without swapping."""
-    from lmscli import api, report
+    from lmscli import api
+    from lmscli.report import terminal as report
     from lmscli.model.simulator import simulate
 
     progress = _progress(quiet, as_json, no_color)
@@ -361,7 +363,7 @@ def analyze(model, fmt, fetch, tag, batch_size, plot, report_file, stand_in, as_
         result = api.analyze(prepared, baseline)
     with progress.phase("drawing", active=bool(plot or report_file)):
         if plot:
-            from lmscli import plots
+            from lmscli.report import plots
 
             plots.memory_plot(prepared, baseline, plot)
         if report_file:
@@ -387,7 +389,8 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
          plan_out, plot, report_file, as_json, verbose, quiet, no_color, no_grappler_check, judge, stand_in,
          **plan_kwargs):
     """Plan the least swapping that fits a GPU, and predict its cost."""
-    from lmscli import api, report
+    from lmscli import api
+    from lmscli.report import terminal as report
 
     progress = _progress(quiet, as_json, no_color)
     with progress.phase(f"loading {model}"):
@@ -421,7 +424,7 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
            "time_limited": result.time_limited, "max_batch_size": batch, "plan": result.plan.to_dict(), **details}
     with progress.phase("drawing", active=bool(plot or report_file)):
         if plot:
-            from lmscli import plots
+            from lmscli.report import plots
 
             plots.memory_plot(prepared, result, plot)
         if report_file:
@@ -461,7 +464,8 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
     """Write MODEL with swap-out and swap-in operations to OUTPUT (same format)."""
     from dataclasses import replace
 
-    from lmscli import api, report
+    from lmscli import api
+    from lmscli.report import terminal as report
     from lmscli.errors import GraphError, InputError
     from lmscli.plan import Plan
     from lmscli.rewriter import has_lms_nodes
@@ -513,7 +517,7 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
             written = api.save(loaded, new_graph, output)
         event_file = None
         if tensorboard_logdir:
-            from lmscli.tensorboard_events import write_graph
+            from lmscli.report.tensorboard import write_graph
 
             event_file = write_graph(new_graph, tensorboard_logdir)
     if plan_out:
@@ -529,7 +533,7 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
            "time_limited": bool(result is not None and result.time_limited), "plan": plan.to_dict(), **details}
     with progress.phase("drawing", active=bool(plot or report_file)):
         if plot:
-            from lmscli import plots
+            from lmscli.report import plots
 
             plots.memory_plot(prepared, shown, plot)
         if report_file:

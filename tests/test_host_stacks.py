@@ -62,7 +62,7 @@ def test_below_what_swaps_reach_the_stacks_go_to_the_host(stack_rnn, runner, tmp
         assert set(h.stacks) <= units or not set(h.stacks) & units
     # The report names what is live at the peak on the schedule the plan was simulated on (QA:
     # names were shifted, and moved stacks listed).
-    from lmscli.report import plan_details
+    from lmscli.report.terminal import plan_details
 
     top = plan_details(prepared, result)["top_live_at_peak"]
     moved_pushes = {op for h in plan.host_stacks for op in h.ops if "StackPush" in op}
@@ -221,7 +221,7 @@ def test_every_stack_of_a_loop_is_full_when_the_loop_ends(tmp_path):
     assert a.host_stacks >= 3
     assert a.peak_in_host_stacks == a.host_stack_bytes
     # With some stacks on the host, the report's live tensors are those of the plan's own schedule.
-    from lmscli.report import plan_details
+    from lmscli.report.terminal import plan_details
 
     result = api.tune(prepared, api.make_device(gpu_mem=(a.lower_bound_bytes + _plain_bound(prepared)) // 2,
                                                 reserve=0.0))

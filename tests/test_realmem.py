@@ -343,7 +343,7 @@ def test_a_gpu_plans_swap_outs_leave_the_stand_in_when_its_sends_run(attention, 
 
 def test_the_judges_runs_are_told_under_both_limits():
     """QA: "10 run(s) under 20.00 MiB ... peak 19.01" covered five runs under 20 MiB and five under 19."""
-    from lmscli.report import _stand_in_line
+    from lmscli.report.terminal import _stand_in_line
 
     line = _stand_in_line({"limit_bytes": 20 * MIB, "runs": 10, "steps": 2, "fits": True,
                            "peak_in_use_bytes": 19 * MIB, "failure": None, "headroom_limit_bytes": 19 * MIB})

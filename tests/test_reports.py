@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from lmscli import html_report, termchart
+from lmscli.report import html as html_report, termchart
 from lmscli.progress import Progress
 from tests.conftest import ROOT, SAMPLES, invoke
 

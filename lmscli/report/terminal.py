@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from lmscli import termchart
+from lmscli.report import termchart
 from lmscli.device import NO_BUDGET
 from lmscli.units import format_flops, format_size
 

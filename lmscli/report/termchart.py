@@ -1,7 +1,7 @@
 """A compact memory-over-time chart for the terminal, drawn with Unicode block characters.
 
 Pure layout: :func:`chart` turns step curves into rows of ``(text, kind)`` runs; the caller
-(:mod:`lmscli.report`) gives each kind a colour. Each column is the highest memory during its
+(:mod:`lmscli.report.terminal`) gives each kind a colour. Each column is the highest memory during its
 slice of the step, so no peak falls between two columns.
 """
 
