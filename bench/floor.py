@@ -47,8 +47,8 @@ def main(argv=None) -> int:
 
     from lmscli import api, grappler
     from lmscli.graph import shapes
-    from lmscli.planner import tune as plan_tune
-    from lmscli.rewriter import emit
+    from lmscli.plan.planner import tune as plan_tune
+    from lmscli.emit.rewriter import emit
 
     seconds = {}
     model, seconds["load"] = _timed(api.load, path)

@@ -11,8 +11,8 @@ import bisect
 import functools
 from dataclasses import asdict, dataclass, field, replace
 
-from lmscli import hoststacks
-from lmscli.candidates import Filters, candidates
+from lmscli.plan import hoststacks
+from lmscli.plan.candidates import Filters, candidates
 from lmscli.errors import InputError
 from lmscli.graph.graphview import VARIABLE_OPS, GraphView, TensorInfo
 from lmscli.loader import Model

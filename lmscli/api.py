@@ -15,22 +15,22 @@ import os
 from dataclasses import replace
 
 from lmscli.analysis import Analysis, Prepared, analyze, prepare, with_graph_def
-from lmscli.candidates import Filters
+from lmscli.plan.candidates import Filters
 from lmscli.device import Device, make_device
 from lmscli.errors import InputError, NoFitError
-from lmscli.judge import STAND_IN_JUDGE_RUNS, check_with_grappler, optimizer_culprits
+from lmscli.plan.judge import STAND_IN_JUDGE_RUNS, check_with_grappler, optimizer_culprits
 from lmscli.loader import Model, atomic_write, load, serialize
-from lmscli.plan import Plan
-from lmscli.planner import TflmsParams, TuneOptions, TuneResult, serialization_chains
-from lmscli.rewriter import DEFAULT_HOST_DEVICE, RewriteReport, emit
+from lmscli.plan.document import Plan
+from lmscli.plan.planner import TflmsParams, TuneOptions, TuneResult, serialization_chains
+from lmscli.emit.rewriter import DEFAULT_HOST_DEVICE, RewriteReport, emit
 from lmscli.timing import timed
-from lmscli.tuning import checked_tune, find_max_batch, reordering_fallback, tune
+from lmscli.plan.tuning import checked_tune, find_max_batch, reordering_fallback, tune
 
 __all__ = [
     "Analysis", "Device", "Filters", "Model", "Plan", "Prepared", "RewriteReport", "TflmsParams", "TuneOptions",
     "TuneResult", "analyze", "check_with_grappler", "find_max_batch", "load", "make_device", "prepare",
     "rewrite", "save", "serialization_chains", "serialize", "tune",
-    # the tune loop's and the judge's own steps (lmscli.tuning, lmscli.judge), for scripts
+    # the tune loop's and the judge's own steps (lmscli.plan.tuning, lmscli.plan.judge), for scripts
     "NoFitError", "STAND_IN_JUDGE_RUNS", "checked_tune", "optimizer_culprits", "reordering_fallback",
 ]
 
@@ -72,7 +72,7 @@ def with_link_predictions(prepared: Prepared, result: TuneResult) -> TuneResult:
     """Add the plan's predicted step time on each named link to ``plan.predicted['per_link']``
     (for graphs on several GPUs: the slowest GPU's step)."""
     from lmscli.device import LINKS
-    from lmscli.plan import simulated
+    from lmscli.plan.document import simulated
     from lmscli.model.simulator import simulate
 
     per_link = {}
@@ -93,8 +93,8 @@ def replay(prepared: Prepared, plan: Plan) -> TuneResult:
     """Simulate a given plan (e.g. one read with --plan) as a TuneResult, for reports and plots; for
     a graph on several GPUs, as seen by the GPU that needs the most memory with the plan."""
     from lmscli.device import NO_BUDGET, Device
-    from lmscli.plan import recompute_flops, simulated
-    from lmscli.planner import predicted
+    from lmscli.plan.document import recompute_flops, simulated
+    from lmscli.plan.planner import predicted
     from lmscli.model.simulator import simulate
 
     device = Device.from_dict(plan.device) if plan.device else Device(gpu_mem=NO_BUDGET)

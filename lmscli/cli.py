@@ -225,8 +225,8 @@ def plan_options(func):
 
 def _tune_options(strategy, swapout_threshold, swapin_ahead, swapin_groupby, sync_mode, include_scope,
                   exclude_scope, include_type, exclude_type, exclude_consumer_scope, exclude_consumer_type):
-    from lmscli.candidates import Filters
-    from lmscli.planner import TflmsParams, TuneOptions
+    from lmscli.plan.candidates import Filters
+    from lmscli.plan.planner import TflmsParams, TuneOptions
 
     filters = Filters(include_scopes=tuple(include_scope), exclude_scopes=tuple(exclude_scope),
                       include_types=tuple(include_type), exclude_types=tuple(exclude_type),
@@ -467,9 +467,9 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
     from lmscli import api
     from lmscli.report import terminal as report
     from lmscli.errors import GraphError, InputError
-    from lmscli.plan import Plan
-    from lmscli.rewriter import has_lms_nodes
-    from lmscli.planner import parse_levels
+    from lmscli.plan.document import Plan
+    from lmscli.emit.rewriter import has_lms_nodes
+    from lmscli.plan.planner import parse_levels
     from lmscli.units import parse_size
 
     if os.path.abspath(model) == os.path.abspath(output):

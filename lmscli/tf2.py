@@ -39,8 +39,8 @@ class Step:
     order of its inputs, without the captured ones); ``result`` and ``report`` say what lms did."""
 
     function: object  # a tf.function running the rewritten graph
-    result: object  # lmscli.planner.TuneResult
-    report: object  # lmscli.rewriter.RewriteReport
+    result: object  # lmscli.plan.planner.TuneResult
+    report: object  # lmscli.emit.rewriter.RewriteReport
     model: object  # lmscli.loader.Model: the step as lms saw it
 
     @property
@@ -125,11 +125,11 @@ def rewrite(concrete_function, gpu_mem=None, device: str | None = None, reserve:
             link: str | None = None, strategy: str = "hybrid", batch_size: int | None = None, plan=None) -> Step:
     """Plan ``concrete_function``'s step for a GPU (``gpu_mem``: bytes, ``"16GiB"`` or ``"75%"`` of
     the step's peak; or a ``device`` preset) and return the rewritten step, a callable that trains
-    the same variables. ``plan``: apply this :class:`~lmscli.plan.Plan` instead of tuning. Raises
+    the same variables. ``plan``: apply this :class:`~lmscli.plan.document.Plan` instead of tuning. Raises
     :class:`~lmscli.errors.NoFitError` when no plan fits."""
     from lmscli import api
     from lmscli.device import gpu_mem_from_text
-    from lmscli.planner import TuneOptions
+    from lmscli.plan.planner import TuneOptions
 
     model, signature = model_of(concrete_function)
     prepared = api.prepare(model, batch_size=batch_size)

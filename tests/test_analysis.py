@@ -266,7 +266,7 @@ def test_one_branch_of_a_v1_cond_is_counted(tmp_path):
     """A step runs one branch of a tf.cond: the schedule keeps the larger (an upper bound for
     either), leaves the other out, and never swaps a tensor the left-out branch reads."""
     from lmscli import api
-    from lmscli.candidates import candidates
+    from lmscli.plan.candidates import candidates
 
     with v1_training_graph(tmp_path / "cond.meta") as (tf, v1, graph):
         x = v1.placeholder(tf.float32, [256, 512], name="inputs")

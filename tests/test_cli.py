@@ -63,7 +63,7 @@ def test_the_run_search_plans_below_a_plan_that_sits_under_its_budget():
     otherwise come back unchanged round after round (a QA transformer failed at 75% that way)."""
     from types import SimpleNamespace
 
-    from lmscli.tuning import _RunSearch
+    from lmscli.plan.tuning import _RunSearch
 
     search = _RunSearch(budget=100_000, margin=0)
     plan = SimpleNamespace(result=SimpleNamespace(peak_bytes=80_000))
@@ -76,7 +76,7 @@ def test_the_run_search_backs_off_when_the_planner_finds_nothing():
     before it, down to steps of 0.5% of the budget, then gives up."""
     from types import SimpleNamespace
 
-    from lmscli.tuning import _RunSearch
+    from lmscli.plan.tuning import _RunSearch
 
     search = _RunSearch(budget=100_000, margin=0)
     search.judged(SimpleNamespace(result=SimpleNamespace(peak_bytes=80_000)), 105_000)
@@ -93,7 +93,7 @@ def test_the_run_search_tries_small_margins_while_nothing_fits():
     fits, the search keeps the round limit."""
     from types import SimpleNamespace
 
-    from lmscli.tuning import RUN_ROUNDS, SMALL_MARGINS, _RunSearch
+    from lmscli.plan.tuning import RUN_ROUNDS, SMALL_MARGINS, _RunSearch
 
     search = _RunSearch(budget=100_000, margin=0)
     over = SimpleNamespace(result=SimpleNamespace(peak_bytes=99_000))

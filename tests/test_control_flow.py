@@ -13,7 +13,7 @@ import json
 import pytest
 
 from lmscli import api
-from lmscli.candidates import branch_safe
+from lmscli.plan.candidates import branch_safe
 from lmscli.graph.graphview import GraphView
 from lmscli.prove import steps
 from tests.conftest import invoke, v1_training_graph
@@ -58,7 +58,7 @@ def test_an_op_outside_a_branch_never_waits_for_a_swap_out_of_a_switch_output(co
     """A Switch runs outside its cond, but its output 1 (the value entering the true branch) and
     a swap-out reading it run in the branch: an op after the cond may not wait for that swap-out
     (QA: a --stand-in plan made one wait, and the rewriter refused it with exit 1)."""
-    from lmscli.planner import _Context
+    from lmscli.plan.planner import _Context
 
     _model, prepared = cond_branch
     ctx = _Context(prepared, api.make_device(gpu_mem="1GiB"), api.Filters())
@@ -367,7 +367,7 @@ def test_a_lower_bound_counts_a_cond_in_a_loop_as_if_every_trip_took_the_smaller
 
     from lmscli.model import loops
     from lmscli.analysis import lower_bound
-    from lmscli.candidates import candidates
+    from lmscli.plan.candidates import candidates
 
     prepared = api.prepare(api.load(str(_alternating_loop(tmp_path / "alternating.meta"))))
     view = prepared.view

@@ -144,7 +144,7 @@ def test_a_later_input_of_a_sum_may_be_swapped_when_the_sum_alone_reads_its_inpu
     keeps the order of the sum when the sum is the only reader of every input's buffer (through
     forwarding ops too), whichever input comes first; input 0 itself, and the inputs of a sum one
     of whose inputs has another reader, stay."""
-    from lmscli.candidates import _order_sensitive_sum
+    from lmscli.plan.candidates import _order_sensitive_sum
 
     def view(extra_reader: str | None):
         nodes = [("x", "Placeholder", [], None), ("g0", "Relu", ["x"], None), ("i0", "Identity", ["g0"], None),

@@ -1,4 +1,4 @@
-"""Gradient stacks of v1 while loops kept on the host (lmscli.hoststacks).
+"""Gradient stacks of v1 while loops kept on the host (lmscli.plan.hoststacks).
 
 ``stack_rnn.meta`` is a tanh RNN over 128 steps whose gradient stacks (each step's hidden state,
 kept by two stacks that share its buffer, and each step's input) are most of the peak: no swap
@@ -13,9 +13,11 @@ from dataclasses import replace
 
 import pytest
 
-from lmscli import api, hoststacks, optguard
+from lmscli import api
+from lmscli.plan import hoststacks
+from lmscli.plan import optguard
 from lmscli.errors import PlanError
-from lmscli.plan import Plan, PlannedHostStack
+from lmscli.plan.document import Plan, PlannedHostStack
 from lmscli.model.schedule import Schedule, SimTensor
 from lmscli.model.simulator import simulate
 from tests.conftest import invoke, v1_training_graph
@@ -31,7 +33,7 @@ def stack_rnn(samples):
 def _plain_bound(prepared) -> int:
     """The lower bound of plans that only swap (every stack stays on the GPU)."""
     from lmscli.analysis import lower_bound
-    from lmscli.candidates import candidates
+    from lmscli.plan.candidates import candidates
 
     cands = candidates(prepared.view, prepared.schedule, untaken=prepared.untaken, fused=prepared.fused)
     return lower_bound(prepared, set(cands))[0]
@@ -119,7 +121,7 @@ def test_plans_naming_stacks_wrongly_are_refused(stack_rnn):
 
 
 def _empty_plan(prepared) -> Plan:
-    from lmscli.plan import graph_fingerprint
+    from lmscli.plan.document import graph_fingerprint
 
     return Plan(model=prepared.model.name, graph_sha256=graph_fingerprint(prepared.graph_def),
                 fetches=tuple(prepared.model.fetches), batch_size=None, device={}, strategy="swap", parameters={},

@@ -6,8 +6,8 @@ import pytest
 
 from lmscli import api
 from lmscli.errors import NoFitError
-from lmscli.plan import Plan
-from lmscli.planner import TflmsParams, TuneOptions, parse_levels
+from lmscli.plan.document import Plan
+from lmscli.plan.planner import TflmsParams, TuneOptions, parse_levels
 from tests.conftest import TRAINING_SAMPLES, invoke
 
 
@@ -193,8 +193,8 @@ def test_triggers_are_fit_ancestors_in_range(samples):
     range, on the GPU and outside loops and cond branches (so no cycle, no frame crossing)."""
     import random
 
-    from lmscli.candidates import Filters
-    from lmscli.planner import _Context
+    from lmscli.plan.candidates import Filters
+    from lmscli.plan.planner import _Context
 
     prepared = _prepared(samples, "resnet50")
     ctx = _Context(prepared, api.make_device(gpu_mem="1GiB"), Filters())
@@ -222,7 +222,7 @@ def test_activations_fused_into_their_producer_stay_swappable():
     """oneDNN's Grappler folds a Relu into the batch norm before it (``_FusedBatchNormEx`` under the
     batch norm's name): the Relu's output is then the fused kernel's, and still worth swapping (on a
     tf_keras DenseNet-121 those outputs are most of the activations). Other fused-away nodes are not."""
-    from lmscli.candidates import absorbed
+    from lmscli.plan.candidates import absorbed
     from lmscli.graph.graphview import GraphView
     from tests.conftest import graph_def_from_nodes
 
@@ -250,9 +250,9 @@ def test_stand_in_plans_never_make_constants_wait(tmp_path):
     from dataclasses import replace
 
     from lmscli import api, grappler
-    from lmscli.candidates import CONSTANT_LIKE_OPS
+    from lmscli.plan.candidates import CONSTANT_LIKE_OPS
     from lmscli.device import STAND_IN_LINK
-    from lmscli.planner import TuneOptions, tune
+    from lmscli.plan.planner import TuneOptions, tune
     from tests.conftest import SAMPLES
 
     spec = importlib.util.spec_from_file_location("lms_generate", SAMPLES / "generate.py")
@@ -284,7 +284,7 @@ def test_the_default_strategy_is_never_beaten_by_the_other_searches(samples, mon
     searches are real plans of the cnn sample; which of them the judge refuses is staged.)"""
     from dataclasses import replace
 
-    from lmscli import tuning
+    from lmscli.plan import tuning
 
     prepared = api.prepare(api.load(str(samples / "cnn.meta")))
     bound = api.analyze(prepared).lower_bound_bytes
@@ -337,7 +337,7 @@ def test_a_bound_raised_by_the_guard_says_so(samples):
     """Tensors the optimizer guard leaves unswapped count in the lower bound of a no-plan answer,
     which is then above the one `lms analyze` gives: the message says why (QA: an attention
     model's bound read 16.0 MiB near 80% of its peak and 13.5 MiB at 50%)."""
-    from lmscli.planner import _Context, tune as plan_tune
+    from lmscli.plan.planner import _Context, tune as plan_tune
 
     prepared = api.prepare(api.load(str(samples / "cnn.meta")))
     bound = api.analyze(prepared).lower_bound_bytes
@@ -381,7 +381,7 @@ def test_the_greedy_plans_first_with_the_tensors_tflms_swapped(samples):
     """The outputs of removed Identities (and later AddN inputs) join the candidates only where
     the greedy finds nothing without them: with them, a transformer's hybrid plan on PCIe 3 at 75%
     swapped attention gradients it had recomputed (+41% against +5.3%)."""
-    from lmscli.planner import _Context
+    from lmscli.plan.planner import _Context
 
     prepared = api.prepare(api.load(str(samples / "cnn.meta")))
     ctx = _Context(prepared, api.make_device(gpu_mem="1GiB"), api.Filters())
@@ -398,7 +398,7 @@ def test_a_swap_out_keeps_only_the_waiters_that_do_not_wait_through_another(samp
     another waiter of the same swap-out waits already (QA: a ViT plan's swap-outs had dozens each,
     into Gelu and dropout ops Grappler fuses, and the optimizer guard left eight tensors
     unswapped). Plans keep one waiter per independent path; the simulation is the same."""
-    from lmscli.planner import _Context
+    from lmscli.plan.planner import _Context
     from lmscli.model.simulator import SimSwap, SwapIn, simulate
 
     prepared = api.prepare(api.load(str(samples / "cond_branch.meta"))).observed(())

@@ -222,7 +222,7 @@ def test_the_stand_in_judges_a_plan_even_when_the_model_cannot_read_the_run_grap
     a plan the judge finds over the budget is no plan (exit 3)."""
     from dataclasses import replace
 
-    from lmscli import tuning
+    from lmscli.plan import tuning
     from lmscli.device import STAND_IN_LINK
 
     prepared = api.for_stand_in(api.prepare(api.load(str(residual))))
@@ -244,7 +244,9 @@ def test_time_limit_settles_before_another_round_of_real_runs(residual, monkeypa
     starts that, as long as the last, would end past it."""
     import time
 
-    from lmscli import judge, timing, tuning
+    from lmscli import timing
+    from lmscli.plan import judge
+    from lmscli.plan import tuning
     from lmscli.device import STAND_IN_LINK
 
     prepared = api.for_stand_in(api.prepare(api.load(str(residual))))
@@ -277,7 +279,7 @@ def test_a_plan_must_also_fit_with_half_the_reserve_less():
     reserve, whatever its peak in use."""
     from types import SimpleNamespace
 
-    from lmscli import judge
+    from lmscli.plan import judge
     from lmscli.prove.standin import StepVerdict
 
     class Fake:

@@ -12,8 +12,8 @@ import json
 import pytest
 
 from lmscli import api
-from lmscli.planner import TuneOptions
-from lmscli.rewriter import is_lms_node
+from lmscli.plan.planner import TuneOptions
+from lmscli.emit.rewriter import is_lms_node
 from lmscli.model.simulator import SimSwap, SwapIn, simulate
 from tests.conftest import invoke
 
@@ -104,7 +104,7 @@ def test_recipes_clone_cheap_chains_and_never_random_or_stateful_ops(cnn):
     """Batch norm and relu are made again together (Grappler fuses them), from the convolution's
     output; a convolution's output is made again from its input and filter, at its FLOPs' time; the
     dropout mask's random op and the convolutions' gradients are never part of a recipe."""
-    from lmscli.planner import _Context
+    from lmscli.plan.planner import _Context
 
     _path, _model, prepared = cnn
     ctx = _Context(prepared, api.make_device(gpu_mem=1 << 30, reserve=0.0), api.Filters())
@@ -303,9 +303,9 @@ _FUSED_WAITER = """
 import json, sys
 from dataclasses import replace
 from lmscli import api
-from lmscli.judge import optimizer_culprits
-from lmscli.planner import TuneOptions, _Context
-from lmscli.rewriter import emit
+from lmscli.plan.judge import optimizer_culprits
+from lmscli.plan.planner import TuneOptions, _Context
+from lmscli.emit.rewriter import emit
 
 prepared = api.prepare(api.load(sys.argv[1]))
 sched = prepared.schedule
@@ -359,7 +359,7 @@ def test_the_hybrid_also_tries_making_again_every_tensor_it_can(cnn):
     swaps can cost more than one recomputing them all (QA: an encoder at 75% on PCIe 3, +36% with
     27 swaps; +9% recomputing its GELU and layer-norm outputs). The hybrid also runs the greedy
     that recomputes every tensor it can and swaps only the others, and keeps the faster plan."""
-    from lmscli.planner import PREFER_RECOMPUTE, _Context, plan_lms
+    from lmscli.plan.planner import PREFER_RECOMPUTE, _Context, plan_lms
 
     _path, _model, prepared = cnn
     facts = api.analyze(prepared)

@@ -3,11 +3,12 @@ bit-identically, and come out byte-identical every time."""
 
 import pytest
 
-from lmscli import api, grappler, loader, rewriter
+from lmscli import api, grappler, loader
+from lmscli.emit import rewriter
 from lmscli.prove import steps
 from lmscli.errors import GraphError, NoFitError, PlanError
-from lmscli.planner import TflmsParams, TuneOptions
-from lmscli.rewriter import is_lms_node
+from lmscli.plan.planner import TflmsParams, TuneOptions
+from lmscli.emit.rewriter import is_lms_node
 from lmscli.tfimport import tensorflow
 from tests.conftest import TRAINING_SAMPLES, invoke
 
@@ -414,7 +415,7 @@ def test_a_landing_op_waits_for_its_swap_in_and_training_stays_identical(samples
     plan's JSON, and the rewrite trains bit-identically."""
     from dataclasses import replace
 
-    from lmscli.plan import Plan
+    from lmscli.plan.document import Plan
 
     model, prepared, result = _plan(samples, "cnn", "mid")
     names, pos = prepared.schedule.names, {n: k for k, n in enumerate(prepared.schedule.names)}
@@ -451,7 +452,7 @@ def test_a_rewrite_grappler_refuses_is_a_guard_failure(samples, monkeypatch):
     guard names the swaps responsible, found by halving, rather than taking the failure as "no
     change". Here Grappler is made to fail on any rewrite that swaps one chosen tensor."""
     from lmscli import grappler
-    from lmscli.rewriter import beside
+    from lmscli.emit.rewriter import beside
 
     model, prepared, result = _plan(samples, "cnn", "mid")
     swaps = result.plan.swaps

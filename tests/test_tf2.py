@@ -11,7 +11,7 @@ import pytest
 
 from lmscli import tf2
 from lmscli.errors import InputError
-from lmscli.rewriter import is_lms_node
+from lmscli.emit.rewriter import is_lms_node
 from tests.conftest import ROOT
 
 

@@ -61,7 +61,7 @@ class Schedule:
     # The CPU stand-in's executor: a swap-out's transfer starts only when an op waits for it (see
     # lmscli.model.simulator); a GPU's starts when its producer ends.
     waited_sends: bool = False
-    # Gradient stacks kept on the host (lmscli.hoststacks): per loop and direction, (position,
+    # Gradient stacks kept on the host (lmscli.plan.hoststacks): per loop and direction, (position,
     # bytes copied over one step, microseconds of the loop's compute those copies can hide behind),
     # and per stack (first push, last pop, bytes) of host memory.
     stack_copies: tuple[tuple[int, int, int], ...] = ()

@@ -63,7 +63,7 @@ import numpy as np
 from lmscli import timing
 from lmscli.errors import InputError, LmsError
 from lmscli.prove._server import FIRST_REGION, is_child, kill_child
-from lmscli.rewriter import is_lms_node
+from lmscli.emit.rewriter import is_lms_node
 from lmscli.tfimport import tensorflow
 from lmscli.prove.steps import (GPU_COPY_OPS, StepRun, _check_cpu_kernels, compare, default_loss, failed_run, feeds,
                                 import_graph, map_gpu_ops)

@@ -19,7 +19,7 @@ import numpy as np
 
 from lmscli.errors import InputError, LmsError
 from lmscli.graph.graphview import parse_input
-from lmscli.rewriter import is_lms_node
+from lmscli.emit.rewriter import is_lms_node
 from lmscli.tfimport import tensorflow
 
 GPU_STANDIN = "/device:CPU:1"

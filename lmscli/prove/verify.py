@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from lmscli.errors import EXIT_DIFFERENT, InputError, LmsError
 from lmscli.prove.steps import (GPU_COPY_OPS, SCHEMA_VERSION, Difference, _check_cpu_kernels, compare, default_loss,
                                 map_gpu_ops, place_on_cpu, rewrite_batch_size, run_steps)
-from lmscli.rewriter import RECOMPUTE
+from lmscli.emit.rewriter import RECOMPUTE
 
 
 class DifferentResults(LmsError):
@@ -96,7 +96,7 @@ def measurement_order(prepared) -> tuple[str, ...]:
 def _figures(model, fetches, batch_size, measure: bool, notes: list, label: str, tf_order: bool = False):
     """(meta graph to run, GraphFigures) for a loaded model, with the step running ``fetches``."""
     from lmscli import api, grappler
-    from lmscli.hoststacks import STACK_OPS
+    from lmscli.plan.hoststacks import STACK_OPS
     from lmscli.prove.measure import measure_peak
     from lmscli.model.simulator import simulate
 

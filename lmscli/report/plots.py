@@ -76,7 +76,7 @@ def _title(prepared, plan, budget, baseline) -> str:
 
 
 def figure(prepared, result, title: str | None = None):
-    """The matplotlib figure for a :class:`~lmscli.planner.TuneResult`, or for a bare no-swap
+    """The matplotlib figure for a :class:`~lmscli.plan.planner.TuneResult`, or for a bare no-swap
     :class:`~lmscli.model.simulator.SimResult` (analyze)."""
     _matplotlib()
     import matplotlib.pyplot as plt
@@ -160,7 +160,7 @@ def _render(fig, fmt: str) -> bytes:
 
 
 def memory_plot(prepared, result, path: str, title: str | None = None) -> str:
-    """Write the plot of a :class:`~lmscli.planner.TuneResult` (or a no-swap SimResult) to ``path``
+    """Write the plot of a :class:`~lmscli.plan.planner.TuneResult` (or a no-swap SimResult) to ``path``
     (.png or .svg), atomically."""
     from lmscli.loader import atomic_write
 

@@ -30,7 +30,7 @@ def plan_details(prepared, result, limit: int = 10) -> dict:
     if result.device:  # on several GPUs: the schedule of the GPU the result was simulated for
         sched = next(s for s in prepared.schedules if s.device == result.device)
     if result.plan.host_stacks:  # the schedule the plan was simulated on: its stacks' tensors left out
-        from lmscli.plan import simulated
+        from lmscli.plan.document import simulated
 
         sched = simulated(result.plan, sched, view)[0]
     named = set()
@@ -309,7 +309,7 @@ def _stand_in_line(real: dict) -> str:
     limit = format_size(real["limit_bytes"]) if real.get("limit_bytes") else "no limit"
     runs = f"{real['runs']} run(s) of {real['steps']} step(s) under {limit}"
     if real.get("headroom_limit_bytes"):  # the judge's first runs fitted; the rest ran under its second limit
-        from lmscli.judge import STAND_IN_JUDGE_RUNS
+        from lmscli.plan.judge import STAND_IN_JUDGE_RUNS
 
         first = min(real["runs"], STAND_IN_JUDGE_RUNS)
         runs = (f"{first} run(s) of {real['steps']} step(s) under {limit} and {real['runs'] - first} under "

@@ -51,7 +51,7 @@ class PlannedRecompute:
 
 @dataclass(frozen=True)
 class PlannedHostStack:
-    """A v1 loop's gradient stack placed on the host (:mod:`lmscli.hoststacks`)."""
+    """A v1 loop's gradient stack placed on the host (:mod:`lmscli.plan.hoststacks`)."""
 
     stack: str  # the StackV2 node
     ops: tuple[str, ...]  # the ops using its handle, which move with it (pushes, pops, closes)
@@ -76,7 +76,7 @@ class Plan:
     recomputes: tuple[PlannedRecompute, ...] = ()
     host_stacks: tuple[PlannedHostStack, ...] = ()
     # Consumers read each swap-in through an Identity placed like the tensor's producer (see
-    # lmscli.rewriter); off for plans judged by Grappler's estimate, which counts that Identity's
+    # lmscli.emit.rewriter); off for plans judged by Grappler's estimate, which counts that Identity's
     # output as a second copy of the tensor (it forwards the buffer on a real executor).
     read_on_gpu: bool = True
 
@@ -178,19 +178,19 @@ def tensor_ids(schedule: Schedule) -> dict[str, int]:
 
 def simulated(plan: Plan, schedule: Schedule, view) -> tuple[Schedule, list[SimSwap]]:
     """What the simulator runs for ``plan`` on ``schedule``: the schedule its stacks on the host
-    leave (:func:`lmscli.hoststacks.hosting`), and its swaps and recomputations on that schedule."""
+    leave (:func:`lmscli.plan.hoststacks.hosting`), and its swaps and recomputations on that schedule."""
     stacks = [h for h in plan.host_stacks if not h.gpu or h.gpu == schedule.device]
     if stacks:
-        from lmscli import hoststacks
+        from lmscli.plan import hoststacks
 
         schedule = hoststacks.hosting(schedule, view, hoststacks.named(view, stacks))
     return schedule, to_sim(plan.edits, schedule)
 
 
 def host_stacks_from(units, view, schedule: Schedule) -> tuple[PlannedHostStack, ...]:
-    """Name the stacks of :class:`lmscli.hoststacks.Hostable` units for a plan (a unit's bytes go
+    """Name the stacks of :class:`lmscli.plan.hoststacks.Hostable` units for a plan (a unit's bytes go
     to its first stack), sorted by name."""
-    from lmscli.hoststacks import handle_users
+    from lmscli.plan.hoststacks import handle_users
 
     out = []
     for h in units:

@@ -89,7 +89,7 @@ _ACTIVATIONS = frozenset({"Relu", "Relu6", "Elu", "LeakyRelu", "Tanh", "Sigmoid"
 # adds and activations into convolutions, on GPUs as on CPUs). A swap node on such an edge stops the
 # fusion and the kernel that runs instead rounds differently in the last bit, so those consumers
 # always read the GPU copy. Rewrites of element-wise arithmetic chains (the arithmetic optimizer,
-# constant folding) are device-independent: :mod:`lmscli.optguard` checks each plan against them.
+# constant folding) are device-independent: :mod:`lmscli.plan.optguard` checks each plan against them.
 FUSED_EDGES = (
     (frozenset({"Transpose", "ConjugateTranspose"}), _MATMULS),
     (frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul"}), frozenset({"BiasAdd", "Add", "AddV2"})),

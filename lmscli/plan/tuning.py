@@ -1,7 +1,7 @@
 """The tune loop: plan, check, replan.
 
-The planner (:mod:`lmscli.planner`) plans against the simulator; each plan is then rewritten and
-checked (:mod:`lmscli.judge`): the optimizer guard names edits that change Grappler's
+The planner (:mod:`lmscli.plan.planner`) plans against the simulator; each plan is then rewritten and
+checked (:mod:`lmscli.plan.judge`): the optimizer guard names edits that change Grappler's
 optimizations (planned again without them), and the judge gives the peak of the graph a Session
 runs, against which the planning margin moves until a plan fits (:class:`_RunSearch`). With
 ``--judge grappler``, Grappler's estimate is the judge, and TFLMS's parameter sets are tried just
@@ -18,10 +18,10 @@ from lmscli import timing
 from lmscli.analysis import Prepared, prepare
 from lmscli.device import Device
 from lmscli.errors import InputError, NoFitError
-from lmscli.judge import STAND_IN_JUDGE_STEPS, check_with_grappler, optimizer_culprits, run_peak
+from lmscli.plan.judge import STAND_IN_JUDGE_STEPS, check_with_grappler, optimizer_culprits, run_peak
 from lmscli.loader import Model
-from lmscli.planner import TFLMS_SEARCH_MAX_OPS, TuneOptions, TuneResult, strategy_name
-from lmscli.rewriter import DEFAULT_HOST_DEVICE, emit
+from lmscli.plan.planner import TFLMS_SEARCH_MAX_OPS, TuneOptions, TuneResult, strategy_name
+from lmscli.emit.rewriter import DEFAULT_HOST_DEVICE, emit
 from lmscli.timing import timed
 from lmscli.units import format_size
 
@@ -144,7 +144,7 @@ def reordering_fallback(prepared: Prepared, device: Device, options: TuneOptions
     order the step differently, which can fit where that order cannot. Of the plans that fit, the
     one that swaps the fewest bytes wins; its swapout_threshold is then raised while it still fits.
     None when none fits."""
-    from lmscli.planner import TflmsParams
+    from lmscli.plan.planner import TflmsParams
 
     def attempt(params):
         try:
@@ -191,8 +191,8 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
 
     ``check=False`` skips the estimate, ``guard=False`` the guard. Grappler's figures are stored in
     ``plan.grappler``, with the tensors the guard left alone."""
-    from lmscli import optguard
-    from lmscli.planner import tune as plan_tune
+    from lmscli.plan import optguard
+    from lmscli.plan.planner import tune as plan_tune
 
     margins: dict[str, int] = {}
     forbidden: set[str] = set()
@@ -351,8 +351,8 @@ def _resimulated(prepared: Prepared, result: TuneResult) -> TuneResult:
     swaps or recomputations out of it); the judge then judges it again."""
     if len(prepared.schedules) > 1:
         return result
-    from lmscli.plan import recompute_flops, simulated
-    from lmscli.planner import predicted
+    from lmscli.plan.document import recompute_flops, simulated
+    from lmscli.plan.planner import predicted
     from lmscli.model.simulator import simulate
 
     device = Device.from_dict(result.plan.device)
@@ -458,7 +458,7 @@ class _RunSearch:
                              f"still needs {peak:,} bytes > {self.budget:,} after {self.rounds} round(s); try a "
                              "slightly larger --gpu-mem", budget_bytes=self.budget)
         if self.found[0].plan.strategy in ("hybrid", "recompute"):  # a short step, then the least moved
-            from lmscli.planner import STEP_TOLERANCE
+            from lmscli.plan.planner import STEP_TOLERANCE
 
             fastest = min(r.plan.predicted["step_time_s"] for r in self.found)
             fast = [r for r in self.found if r.plan.predicted["step_time_s"] <= fastest * (1 + STEP_TOLERANCE) + 1e-6]

@@ -4,7 +4,7 @@ A Session runs Grappler's default optimizations (arithmetic simplification, cons
 remapping into fused kernels, function inlining, ...) on every graph before running it. A swap
 node in the middle of a pattern can stop a rewrite the original graph got; the kernels that run
 instead round differently in the last bit, and training is no longer bit-identical. The
-fused-edge rules in :mod:`lmscli.candidates` avoid the patterns known in advance; the guard
+fused-edge rules in :mod:`lmscli.plan.candidates` avoid the patterns known in advance; the guard
 checks every plan:
 
     original  --Grappler-->  optimized original   \\
@@ -24,7 +24,7 @@ import hashlib
 import re
 
 from lmscli.graph.graphview import parse_input
-from lmscli.rewriter import is_lms_node
+from lmscli.emit.rewriter import is_lms_node
 from lmscli.timing import timed
 
 _TRANSPARENT = frozenset({"Identity", "NoOp"})

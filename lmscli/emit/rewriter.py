@@ -36,7 +36,7 @@ reaches ``Q``'s clone through ``x-lms-recompute-gate-0-0``, which has the contro
 remapper fuses no op with a control edge, and the clones must fuse as the originals do. Ops that
 update a variable the clones read wait for a ``done`` Identity of the last clone.
 
-A gradient stack kept on the host (:mod:`lmscli.hoststacks`) is moved, not copied: its
+A gradient stack kept on the host (:mod:`lmscli.plan.hoststacks`) is moved, not copied: its
 ``StackV2`` and the pushes, pops and closes using its handle get the host device and lose their
 ``_class`` colocation, so TensorFlow copies each pushed value out and each popped value back::
 
@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 from lmscli.errors import GraphError, PlanError
 from lmscli.graph.graphview import GraphView, gpu_key, parse_input
-from lmscli.plan import Plan
+from lmscli.plan.document import Plan
 from lmscli.timing import timed
 
 SCOPE = "lms/"  # where lms 0.x put its nodes (still recognised: has_lms_nodes, is_lms_node)
@@ -303,7 +303,7 @@ def emit(prepared, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, force: bo
     """Emit ``plan`` into a copy of a prepared step's graph (:class:`lmscli.analysis.Prepared`):
     ``(meta_graph, RewriteReport)``; refuses a plan made for another graph."""
     from lmscli.analysis import with_graph_def
-    from lmscli.plan import graph_fingerprint
+    from lmscli.plan.document import graph_fingerprint
 
     if plan.graph_sha256 and plan.graph_sha256 != graph_fingerprint(prepared.graph_def):
         raise PlanError("the plan was made for a different graph (fingerprint mismatch); "
@@ -334,7 +334,7 @@ def _check_branches(before: GraphView, after: GraphView) -> None:
 
 def _to_host(nodes: dict, stack, host_device: str) -> None:
     """Place a gradient stack and the ops using its handle on the host (no ``_class``)."""
-    from lmscli.hoststacks import HANDLE_USERS, STACK_OPS
+    from lmscli.plan.hoststacks import HANDLE_USERS, STACK_OPS
 
     names = (stack.stack, *stack.ops)
     for name in names:

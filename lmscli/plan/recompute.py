@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lmscli.candidates import fused_edge
+from lmscli.plan.candidates import fused_edge
 from lmscli.graph.graphview import CONTROL_FLOW_OPS, VARIABLE_OPS, GraphView
 from lmscli.model.memmodel import FORWARDING_OPS, IN_PLACE_OPS, RESIDENT
 from lmscli.model.schedule import CONSTANT_OPS, Schedule
@@ -61,7 +61,7 @@ class Recipe:
 
 def recipes(view: GraphView, schedule: Schedule, cands, fused: frozenset = frozenset()) -> dict[int, tuple[Recipe, ...]]:
     """Recipes for the candidate tensors ``cands`` (ids) whose producer may be run again, shortest first."""
-    from lmscli.plan import recompute_cost
+    from lmscli.plan.document import recompute_cost
 
     pos_of = {node: k for k, node in enumerate(schedule.nodes)}
     tensor_of = {(t.producer, t.output): t.id for t in schedule.tensors}

@@ -119,7 +119,7 @@ def hostable(view: GraphView, leave_out=frozenset()) -> tuple[Hostable, ...]:
 
 def named(view: GraphView, stacks) -> tuple[Hostable, ...]:
     """The :class:`Hostable` units a plan's stacks on the host make
-    (:class:`lmscli.plan.PlannedHostStack`); raises PlanError for a stack this graph does not have
+    (:class:`lmscli.plan.document.PlannedHostStack`); raises PlanError for a stack this graph does not have
     or cannot host, or a unit the plan moves only part of."""
     if not stacks:
         return ()

@@ -3,7 +3,7 @@ the simulator.
 
 ``hybrid`` (default), ``swap`` (formerly ``lms``), ``recompute``
     Per-tensor greedy planning in the simulator's own memory profile; each choice for a tensor is
-    a swap, a recomputation (:mod:`lmscli.recompute`), or, for the hybrid, whichever costs less
+    a swap, a recomputation (:mod:`lmscli.plan.recompute`), or, for the hybrid, whichever costs less
     time (see :func:`_best_plan` for how the hybrid's candidates are compared). While some op
     runs over budget, take the worst one; among the tensors live across it whose next use can be
     brought back in time, take the choice that costs no time and removes the most excess memory
@@ -28,13 +28,14 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from lmscli import hoststacks, timing
+from lmscli import timing
+from lmscli.plan import hoststacks
 from lmscli.analysis import Prepared, binding
-from lmscli.candidates import (COND_PRODUCERS, Candidate, Filters, absorbed, boundary, branch_safe, candidates,
+from lmscli.plan.candidates import (COND_PRODUCERS, Candidate, Filters, absorbed, boundary, branch_safe, candidates,
                                edge_safe, landing_safe, removed_alias, trigger_safe)
 from lmscli.device import Device
 from lmscli.errors import NoFitError
-from lmscli.plan import Plan, from_sim, graph_fingerprint, host_stacks_from, recompute_flops, recomputes_from_sim
+from lmscli.plan.document import Plan, from_sim, graph_fingerprint, host_stacks_from, recompute_flops, recomputes_from_sim
 from lmscli.model.schedule import Schedule
 from lmscli.model.simulator import SimResult, SimSwap, SwapIn, simulate, transfer_us
 from lmscli.timing import timed
@@ -153,9 +154,9 @@ class _Context:
 
     @property
     def recipes(self):
-        """Recompute recipes per candidate tensor (see :mod:`lmscli.recompute`), built on first use."""
+        """Recompute recipes per candidate tensor (see :mod:`lmscli.plan.recompute`), built on first use."""
         if self._recipes is None:
-            from lmscli.recompute import Buffers, recipes
+            from lmscli.plan.recompute import Buffers, recipes
 
             with timing.phase("recompute recipes"):
                 # (clones free no shared buffer; an inlined call's argument is its input's buffer)
@@ -191,7 +192,7 @@ class _Context:
 
     def need(self, consumers) -> frozenset:
         """The cond branches every op of ``consumers`` runs in: a trigger for them may run in
-        these (or outside any cond), see :func:`lmscli.candidates.branch_safe`."""
+        these (or outside any cond), see :func:`lmscli.plan.candidates.branch_safe`."""
         found = None
         for c in consumers:
             found = self.tags[c] if found is None else found & self.tags[c]
@@ -199,7 +200,7 @@ class _Context:
 
     def can_wait(self, p: int, tid: int) -> bool:
         """May the op at ``p`` wait for the swap-out of tensor ``tid``? Not an activation the
-        remapper fuses into its producer (:func:`lmscli.candidates.absorbed`): a control input into
+        remapper fuses into its producer (:func:`lmscli.plan.candidates.absorbed`): a control input into
         it stops that fusion, and the guard would then forbid the tensor. The swap-out runs in the
         branches of the tensor (:meth:`tensor_tags`), which ``p`` must run in too."""
         return self.can_edge[p] and not self.absorbed[p] and branch_safe(self.tensor_tags(tid), self.tags[p])
@@ -905,7 +906,7 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
 
 def _tune_one(prepared: Prepared, device: Device, options: TuneOptions, margin: int, log: list[str]) -> TuneResult:
     """A plan for one GPU. When the step has gradient stacks of v1 while loops that could live on
-    the host (:mod:`lmscli.hoststacks`), a plan that keeps some there is made too, and the faster
+    the host (:mod:`lmscli.plan.hoststacks`), a plan that keeps some there is made too, and the faster
     of the two wins (then the one moving fewer bytes): swapping can beat copying a whole stack
     every iteration, and where swaps cannot reach the loops' stacks only hosting fits. Not for
     TFLMS's search (it never moved a loop's stacks) nor ``--strategy recompute`` (recomputation
@@ -1370,7 +1371,7 @@ def _stuck_message(ctx: _Context, stuck: _Stuck, strategy: str, budget_act: int,
 
 def predicted(baseline: SimResult, result: SimResult, budget: int, flops: float = 0.0) -> dict:
     """The plan's figures (``predicted`` in its JSON). ``flops``: what the clones compute
-    (:func:`lmscli.plan.recompute_flops`), given when the plan recomputes anything."""
+    (:func:`lmscli.plan.document.recompute_flops`), given when the plan recomputes anything."""
     return {
         "budget_bytes": budget,
         "peak_bytes_without_plan": baseline.peak_bytes,

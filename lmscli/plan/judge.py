@@ -1,4 +1,4 @@
-"""The checks a plan's rewrite must pass before the tune loop (:mod:`lmscli.tuning`) accepts it.
+"""The checks a plan's rewrite must pass before the tune loop (:mod:`lmscli.plan.tuning`) accepts it.
 
 * the **optimizer guard** (:func:`optimizer_culprits`): Grappler's default optimizations must treat
   the rewritten graph as they treat the original, else training is not bit-identical; the edits
@@ -16,8 +16,8 @@ from dataclasses import replace
 from lmscli import timing
 from lmscli.analysis import Prepared
 from lmscli.device import Device
-from lmscli.plan import Plan
-from lmscli.rewriter import DEFAULT_HOST_DEVICE, emit
+from lmscli.plan.document import Plan
+from lmscli.emit.rewriter import DEFAULT_HOST_DEVICE, emit
 from lmscli.timing import timed
 from lmscli.units import format_size
 
@@ -52,7 +52,8 @@ def check_with_grappler(prepared: Prepared, plan: Plan, host_device: str = DEFAU
 def _breaking(prepared: Prepared, plan: Plan) -> tuple[str, ...]:
     """The tensors of a smallest part of ``plan``'s edits, found by halving, whose rewrite
     Grappler's default optimizations fail on (all of them when no half fails alone)."""
-    from lmscli import grappler, optguard
+    from lmscli import grappler
+    from lmscli.plan import optguard
 
     every = [edit.tensor for edit in plan.edits] + [h.stack for h in plan.host_stacks]
 
@@ -74,9 +75,10 @@ def _breaking(prepared: Prepared, plan: Plan) -> tuple[str, ...]:
 
 def optimizer_culprits(prepared: Prepared, plan: Plan, rewritten, optimized=None) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The swapped tensors and serialized ops of ``plan`` that make Grappler's default
-    optimizations treat ``rewritten`` differently from the original (see :mod:`lmscli.optguard`).
+    optimizations treat ``rewritten`` differently from the original (see :mod:`lmscli.plan.optguard`).
     ``optimized``: what those optimizations make of ``rewritten``, if already known."""
-    from lmscli import grappler, optguard
+    from lmscli import grappler
+    from lmscli.plan import optguard
 
     if prepared.optimized is None or not (plan.changes or plan.serialize):
         return (), ()
