@@ -57,6 +57,40 @@ def test_optimizations_in_a_second_process_equal_the_in_process_ones():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
+def test_a_forked_functions_result_and_error_reach_the_caller():
+    """lmscli.forked runs a function in a child process: its result comes back, and an LmsError it
+    raises is raised in the caller with the same message (Grappler's scheduler refusing a graph
+    falls back to the roofline model on that error)."""
+    script = textwrap.dedent("""
+        import os
+
+        from lmscli import forked
+        from lmscli.errors import LmsError
+
+        def where(values):
+            return sorted(values), os.getpid()
+
+        def refuse(text):
+            raise LmsError(f"{text} (in {os.getpid()})")
+
+        forkable = forked.may_fork()
+        done = forked.start("test", where, [3, 1, 2])
+        assert (done.pid is not None) == forkable
+        values, pid = done()
+        assert values == [1, 2, 3] and (pid != os.getpid()) == forkable
+        try:
+            forked.start("test", refuse, "Grappler could not schedule the graph")()
+        except LmsError as exc:
+            text, _, pid = str(exc).rpartition(" (in ")
+            assert text == "Grappler could not schedule the graph" and (pid != f"{os.getpid()})") == forkable
+        else:
+            raise AssertionError("no error")
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def test_cancelled_child_is_reaped():
     script = textwrap.dedent(f"""
         import os
