@@ -253,19 +253,37 @@ def measure(graphs, batch_size, fetch, runs, no_tf_optimize, as_json, no_color):
     _render_needs(_console(no_color), needs)
 
 
+def _short_paths(paths) -> tuple[str, list[str]]:
+    """``(folder, names)``: the folder all ``paths`` are in (``""`` if none or ``.``) and each path
+    below it, for a table whose rows the names must tell apart (QA: paths folded every 10
+    characters, "/work/qa/r | ound29/out | m_70MiB.me | ta")."""
+    import os
+
+    if not paths:
+        return "", []
+    folder = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in paths])
+    names = [os.path.relpath(os.path.abspath(p), folder) for p in paths]
+    shown = os.path.relpath(folder)
+    shown = folder if shown.startswith("..") else shown  # (outside the working folder: its whole path)
+    return ("" if shown == "." else shown), names
+
+
 def _render_needs(console, needs) -> None:
     from rich.table import Table
 
     from lmscli.units import format_size
 
-    table = Table(title="Smallest limit under which one step runs (stand-in GPU)", title_justify="left")
+    folder, names = _short_paths([n.path for n in needs])
+    table = Table(title="Smallest limit under which one step runs (stand-in GPU)", title_justify="left",
+                  caption=f"graphs in {folder}" if folder else None, caption_justify="left", pad_edge=False)
     for column in ("graph", "measured", "predicted (GPU)", "predicted here", "vs measured", "Grappler"):
-        # (the graph's path folds rather than being cut to a few characters at 80 columns)
+        # (a long name folds, and keeps room enough to be read at 80 columns)
         table.add_column(column, justify="left" if column == "graph" else "right",
-                         overflow="fold" if column == "graph" else "ellipsis")
-    for n in needs:
+                         overflow="fold" if column == "graph" else "ellipsis",
+                         min_width=min(12, max(len(name) for name in names)) if column == "graph" else None)
+    for n, name in zip(needs, names):
         p = n.prediction
-        table.add_row(n.path, format_size(n.min_limit_bytes) + (" (varies)" if n.varies else ""),
+        table.add_row(name, format_size(n.min_limit_bytes) + (" (varies)" if n.varies else ""),
                       format_size(p.predicted_bytes), format_size(p.predicted_standin_bytes),
                       f"{p.predicted_standin_bytes / n.min_limit_bytes - 1:+.1%}",
                       format_size(p.grappler_bytes) if p.grappler_bytes else "-")

@@ -167,6 +167,19 @@ def test_measure_finds_the_smallest_limit(runner, samples):
     assert any(limit == need["min_limit_bytes"] - MIB and not fits for limit, fits in need["probes"])
 
 
+def test_measure_names_each_graph_below_their_common_folder(tmp_path, monkeypatch):
+    """QA: two long paths folded every 10 characters in measure's table ("/work/qa/r | ound29/out |
+    m_70MiB.me | ta"), and which row was which could be told only from their order."""
+    from lmscli.verify_cli import _short_paths
+
+    monkeypatch.chdir(tmp_path)
+    deep = tmp_path.parent / "elsewhere" / "out"
+    assert _short_paths([str(deep / "unet_45MiB.meta"), str(deep / "embcond_70MiB.meta")]) == (
+        str(deep), ["unet_45MiB.meta", "embcond_70MiB.meta"])
+    assert _short_paths(["graphs/a.meta", "graphs/b/c.meta"]) == ("graphs", ["a.meta", "b/c.meta"])
+    assert _short_paths(["a.meta"]) == ("", ["a.meta"])
+
+
 @pytest.fixture(scope="module")
 def attention(tmp_path_factory):
     """The generator's transformer (two layers of attention and GELU MLP, layer norm): 23 MiB on
