@@ -205,14 +205,16 @@ def _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, o
     else:
         _render_limit(_console(no_color), proof, (prediction_a, prediction_b))
     if not proof.rewritten.fits:
+        from lmscli.units import format_size
+
         hint = ""
         if prediction_b.predicted_standin_bytes > proof.limit_bytes:
-            hint = (f" (predicted for the stand-in: {prediction_b.predicted_standin_bytes:,} bytes, in the CPU "
+            hint = (f" (predicted for the stand-in: {format_size(prediction_b.predicted_standin_bytes)}, in the CPU "
                     "executor's op order, where a swap-out leaves only when an op waits for it, and with its CPU "
                     "kernels' scratch; a plan for a GPU does not plan for those: make the plan to prove with "
                     "`lms rewrite --stand-in`)")
         raise realmem.RewrittenOutOfMemory(f"{model_b.path} ran out of memory on the stand-in GPU at "
-                                           f"{proof.limit_bytes:,} bytes: {proof.rewritten.message}{hint}")
+                                           f"{format_size(proof.limit_bytes)}: {proof.rewritten.message}{hint}")
     if proof.identical is False:
         raise verifier.DifferentResults(f"{model_b.path} computes different results from {model_a.path} at the "
                                         f"limit: {proof.difference}")

@@ -170,7 +170,7 @@ def reordering_fallback(prepared: Prepared, device: Device, options: TuneOptions
         best, threshold = better, threshold * 2
     line = (f"[LMS] the simulator keeps the step's order and finds no plan in it; with TFLMS parameters "
             f"{params_of(best).line()} Grappler's scheduler "
-            f"orders the step differently and its estimate fits ({best.plan.grappler['peak_bytes']:,} bytes)")
+            f"orders the step differently and its estimate fits ({format_size(best.plan.grappler['peak_bytes'])})")
     return replace(best, log=best.log + (line,), judge="grappler")
 
 
@@ -280,7 +280,7 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
             timing.round_took(time.monotonic() - started)
             if peak is not None and not result.plan.changes and peak <= device.budget:
                 line = ("[LMS] [Simulator] LMS is not necessary: the graph TensorFlow runs after its optimizations "
-                        f"needs {peak:,} bytes <= {device.budget:,}")
+                        f"needs {format_size(peak)} <= {format_size(device.budget)}")
                 result = replace(result, necessary=False, log=result.log + (line,),
                                  plan=replace(result.plan, predicted=dict(result.plan.predicted, run_peak_bytes=peak)))
             elif peak is not None:
@@ -342,7 +342,7 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
                 margins[name] = margins.get(name, 0) + max(f["peak_bytes"] - device.budget, device.budget // 200)
         result = plan_tune(prepared, device, options, margin=dict(margins))
     raise NoFitError(f"the simulator found plans, but Grappler's estimate stayed over the budget after "
-                     f"{GRAPPLER_ROUNDS} rounds (last {figures['peak_bytes']:,} bytes > {device.budget:,}); "
+                     f"{GRAPPLER_ROUNDS} rounds (last {format_size(figures['peak_bytes'])} > {format_size(device.budget)}); "
                      "try a slightly larger --gpu-mem", budget_bytes=device.budget)
 
 
@@ -455,7 +455,7 @@ class _RunSearch:
                                  "(near the limit, runs on the stand-in vary, so another tune may find a plan)",
                                  budget_bytes=self.budget)
             raise NoFitError(f"planned for the graph as written, but the graph TensorFlow runs after its optimizations "
-                             f"still needs {peak:,} bytes > {self.budget:,} after {self.rounds} round(s); try a "
+                             f"still needs {format_size(peak)} > {format_size(self.budget)} after {self.rounds} round(s); try a "
                              "slightly larger --gpu-mem", budget_bytes=self.budget)
         if self.found[0].plan.strategy in ("hybrid", "recompute"):  # a short step, then the least moved
             from lmscli.plan.planner import STEP_TOLERANCE
