@@ -144,16 +144,16 @@ def _figures(model, fetches, batch_size, measure: bool, notes: list, label: str,
     measured = None
     if measure:
         order = None if tf_order else measurement_order(prepared)
-        runs = [measure_peak(meta, model.fetches, batch_size or 1, order=order)
-                for _ in range(LOOP_MEASUREMENTS if any(prepared.view.frames) else 1)]
-        measured = max(runs, key=lambda r: r.peak_bytes)
+        measurements = [measure_peak(meta, model.fetches, batch_size or 1, order=order)
+                        for _ in range(LOOP_MEASUREMENTS if any(prepared.view.frames) else 1)]
+        measured = max(measurements, key=lambda m: m.peak_bytes)
         notes.extend(f"{label}: {n}" for n in measured.notes)
-        low = min(r.peak_bytes for r in runs)
+        low = min(m.peak_bytes for m in measurements)
         if measured.peak_bytes > low * 1.05:
             from lmscli.units import format_size
 
             notes.append(f"{label}: the measured peak varies between runs, {format_size(low)} to "
-                         f"{format_size(measured.peak_bytes)} in {len(runs)} (the executor runs a while loop's "
+                         f"{format_size(measured.peak_bytes)} in {len(measurements)} (the executor runs a while loop's "
                          "iterations, up to its parallel_iterations at once, in an order of its own that no "
                          "serialization fixes); the largest is shown")
     figures = GraphFigures(measured, simulated, grappler_peak,
