@@ -26,6 +26,7 @@ def test_the_example_trains_bit_identically(capsys):
     assert _example().main(["--steps", "3", "--gpu-mem", "80%"]) == 0
     out = capsys.readouterr().out
     assert "bit-identical" in out and "swap-out" in out
+    assert "lms: peak as written" in out  # (QA: "peak A -> B" compared the graph as written with the one TF runs)
 
 
 def _keras_step(batch=8):
