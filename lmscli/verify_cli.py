@@ -224,7 +224,8 @@ def _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, o
 @click.argument("graphs", nargs=-1, required=True, type=click.Path())
 @click.option("--batch-size", type=click.IntRange(min=1), help="Set unknown batch dimensions to N.")
 @click.option("--fetch", "fetch", metavar="NAME[,NAME]",
-              help="Ops a training step runs (default: the first graph's train_op collection, else its sinks).")
+              help="Ops a training step runs (default: the first graph's train_op collection, else its sinks; a graph "
+                   "without those ops runs its own).")
 @click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True,
               help="Runs that must all fit at the limit found (the executor's order varies between runs).")
 @click.option("--no-tf-optimize", is_flag=True, help="Turn TensorFlow's graph optimizations (Grappler) off.")
@@ -245,7 +246,7 @@ def measure(graphs, batch_size, fetch, runs, no_tf_optimize, as_json, no_color):
     with _progress(as_json, no_color) as progress:
         with progress.phase("loading"):
             models = [api.load(graphs[0], fetch=fetches)]
-            models += [api.load(path, fetch=list(models[0].fetches)) for path in graphs[1:]]
+            models += [_load_like(path, models[0], fetches) for path in graphs[1:]]
         with progress.phase("measuring on the stand-in GPU"):
             needs = realmem.measure_need(models, batch_size=batch_size, runs=runs, optimize=not no_tf_optimize)
     if as_json:
@@ -253,6 +254,20 @@ def measure(graphs, batch_size, fetch, runs, no_tf_optimize, as_json, no_color):
                                "graphs": [n.to_dict() for n in needs]}, indent=2))
         return
     _render_needs(_console(no_color), needs)
+
+
+def _load_like(path: str, first, fetches):
+    """Load ``path`` to run the step ``first`` runs (a rewrite of it), or, when it has none of
+    those ops and no --fetch was given, its own step: an unrelated graph measured beside it."""
+    from lmscli import api
+    from lmscli.errors import InputError
+
+    try:
+        return api.load(path, fetch=list(first.fetches))
+    except InputError:
+        if fetches:
+            raise
+        return api.load(path)
 
 
 def _short_paths(paths) -> tuple[str, list[str]]:

@@ -391,3 +391,86 @@ def test_a_lower_bound_counts_a_cond_in_a_loop_as_if_every_trip_took_the_smaller
     bound = lower_bound(prepared, cands)[0]
     assert 0 < at_most - bound <= sum(s.num_bytes - s.least_bytes for s in kept)
     assert api.analyze(prepared).lower_bound_bytes <= bound  # (less with the stacks lms can host)
+
+
+def _early_tensor_read_by_loops(path):
+    """``x`` (4 MiB) is made first and read through ``Enter`` by a while loop and by its gradient
+    loop; between the two, four dense layers run forward and backward (8 MiB activations), where
+    the step peaks with ``x`` held."""
+    batch, width, hidden = 4096, 256, 512
+    with v1_training_graph(path) as (tf, v1, graph):
+        inp = v1.placeholder(tf.float32, [batch, width], name="inp")
+        init = v1.glorot_uniform_initializer(seed=1)
+        w1 = v1.get_variable("w1", [width, width], initializer=init, use_resource=True)
+        x = tf.nn.relu(tf.matmul(inp, w1), name="x")
+        _, h = v1.while_loop(lambda i, h: i < 4, lambda i, h: (i + 1, tf.tanh(h * x + 0.1)),
+                             [tf.constant(0), tf.ones([batch, width])], parallel_iterations=1)
+        y = h
+        for k in range(4):
+            w = v1.get_variable(f"w{k + 2}", [y.shape[1], hidden], initializer=init, use_resource=True)
+            y = tf.nn.relu(tf.matmul(y, w), name=f"y{k}")
+        graph.loss = tf.reduce_mean(tf.square(y))
+    return path
+
+
+@pytest.fixture(scope="module")
+def early_tensor(tmp_path_factory):
+    model = api.load(str(_early_tensor_read_by_loops(tmp_path_factory.mktemp("enter") / "enter.meta")))
+    return model, api.prepare(model)
+
+
+def test_a_loop_ends_after_its_body_and_enters_an_invariant_where_it_reads_it(early_tensor):
+    """The schedule runs a loop's ``Exit`` after the ``NextIteration`` ops of its frame (before, the
+    gradient loop's accumulated gradient of ``x``, and the ReluGrad reading it, ran before the loop
+    body), and the gradient loop's ``Enter`` of ``x`` just before the op that reads it (before: as
+    soon as ``x`` existed, so that ``x`` was read by the loop all through the dense layers)."""
+    _model, prepared = early_tensor
+    sched, view = prepared.schedule, prepared.view
+    position = {name: k for k, name in enumerate(sched.names)}
+    for k, node in enumerate(sched.nodes):
+        frame = view.frames[node]
+        if view.ops[node] == "Exit":
+            body = [position[view.names[i]] for i in range(view.size)
+                    if view.frames[i] == frame and view.ops[i] == "NextIteration" and view.names[i] in position]
+            assert body and k > max(body), view.names[node]
+    x = next(t for t in sched.tensors if sched.label(t.id) == "x:0")
+    enters = [c for c in x.consumers if sched.ops[c] == "Enter"]
+    assert len(enters) == 2
+    grad_enter = enters[-1]
+    readers = [position[view.names[j]] for j in view.successors(sched.nodes[grad_enter]) if view.names[j] in position]
+    assert min(readers) == grad_enter + 1
+    relu_grads = [c for c in x.consumers if sched.ops[c] == "ReluGrad"]
+    assert relu_grads and relu_grads[0] > grad_enter
+
+
+def test_a_tensor_a_loop_reads_is_swapped_around_the_loop_and_trains_identically(early_tensor, tmp_path):
+    """At 60 MiB (of 96), only a swap of ``x`` whose swap-in feeds the gradient loop's ``Enter``
+    fits: without rewiring an ``Enter`` no plan does. The swap nodes stay outside the loop frames
+    (the rewriter checks every op's frame) and the rewrite trains bit-identically; on the stand-in
+    GPU the original runs out of memory under 80 MiB and the rewrite trains there."""
+    from lmscli.errors import NoFitError
+    from lmscli.prove import realmem
+
+    model, prepared = early_tensor
+    device = api.make_device(gpu_mem="60MiB")
+    result = api.tune(prepared, device)
+    assert result.fits
+    view = prepared.view
+    fed = [s.tensor for s in result.plan.swaps for g in s.swap_ins
+           if any(view.ops[view.index[c]] == "Enter" for c in g.consumers)]
+    assert fed == ["x:0"]
+    for s in result.plan.swaps:
+        for g in s.swap_ins:
+            assert not view.in_loop(view.index[g.trigger])
+    with pytest.raises(NoFitError):
+        api.tune(prepared, device, api.TuneOptions(filters=api.Filters(exclude_consumer_types=("Enter",))))
+
+    new_graph, _report = api.rewrite(prepared, result.plan)
+    before = steps.run_steps(model.meta_graph, model.fetches, steps=2)
+    after = steps.run_steps(new_graph, model.fetches, steps=2)
+    assert steps.first_difference(before, after) is None
+
+    path = tmp_path / "rewritten.meta"
+    api.save(model, new_graph, str(path))
+    proof = realmem.prove_at_limit(model, api.load(str(path)), 80 << 20, runs=1)
+    assert proof.proven and not proof.original.fits, proof.line()

@@ -15,6 +15,7 @@ not explicitly placed on a CPU); a host tensor read by a GPU op is a copy on the
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -176,11 +177,17 @@ def first_ready_order(view: GraphView, active: set[int], cost: dict[int, int],
     With ``rank`` (an observed execution order, e.g. Grappler's trace), ops run in rank order
     whenever their inputs allow it; the result is always a topological order of ``active``.
     """
+    after = _exit_waits(view, active)
     indegree = {i: 0 for i in active}
     for i in active:
         for src in view.predecessors(i):
             if src in active:
                 indegree[i] += 1
+        indegree[i] += len(after.get(i, ()))
+    waiting: dict[int, list[int]] = {}  # a NextIteration -> the Exits of its frame
+    for i, sources in after.items():
+        for src in sources:
+            waiting.setdefault(src, []).append(i)
     ready_at = {i: 0 for i in active}
     big = len(view.names) + 1
 
@@ -198,7 +205,7 @@ def first_ready_order(view: GraphView, active: set[int], cost: dict[int, int],
         i = item[-1]
         clock = max(clock, ready_at[i]) + cost[i]
         order.append(i)
-        for j in view.successors(i):
+        for j in itertools.chain(view.successors(i), waiting.get(i, ())):
             if j not in indegree:
                 continue
             ready_at[j] = max(ready_at[j], clock)
@@ -206,6 +213,70 @@ def first_ready_order(view: GraphView, active: set[int], cost: dict[int, int],
             if indegree[j] == 0:
                 heapq.heappush(heap, key(j))
     return order
+
+
+def invariant_enter(view: GraphView, i: int) -> bool:
+    """Is ``i`` the ``Enter`` of a loop invariant (``is_constant``): a value every iteration reads?"""
+    if view.ops[i] != "Enter":
+        return False
+    attr = view.node_defs[i].attr
+    return "is_constant" in attr and attr["is_constant"].b
+
+
+def late_invariant_enters(view: GraphView, order: list[int]) -> list[int]:
+    """``order`` with each loop invariant's ``Enter`` moved to just before the first op reading it.
+
+    An ``Enter`` forwards its input's buffer and takes no time, so where it runs changes no
+    allocation: the buffer lives until the last use of any tensor sharing it either way. It
+    changes where the planner may bring the value back. A first-ready order runs a gradient
+    loop's ``Enter`` of a forward tensor as soon as that tensor exists, long before the loop;
+    placed there, the ``Enter`` would read the tensor all along and no swap could take it off the
+    GPU in between. Moved, it is a consumer where the loop needs it, and a swap-in may feed it
+    (:func:`lmscli.plan.candidates.candidates`)::
+
+        before:  x  Enter(x) ... [forward and backward layers] ... body(Enter)
+        after:   x  ... [forward and backward layers] ... Enter(x) body(Enter)
+    """
+    position = {i: k for k, i in enumerate(order)}
+    moved: dict[int, list[int]] = {}  # position of the first reader -> Enters to run just before it
+    for i in order:
+        if not invariant_enter(view, i):
+            continue
+        first = min((position[j] for j in view.successors(i) if j in position), default=None)
+        if first is not None and first > position[i] + 1:
+            moved.setdefault(first, []).append(i)
+    if not moved:
+        return order
+    gone = {i for group in moved.values() for i in group}
+    out: list[int] = []
+    for k, i in enumerate(order):
+        for e in moved.get(k, ()):
+            out.append(e)
+        if i not in gone:
+            out.append(i)
+    return out
+
+
+def _exit_waits(view: GraphView, active: set[int]) -> dict[int, tuple[int, ...]]:
+    """Per ``Exit`` of a v1 while loop, the ``NextIteration`` ops of its frame that must run before it.
+
+    The graph without its back edges lets an ``Exit`` run as soon as the loop condition has been
+    computed once, before the body; a loop ends after its last iteration, whose values reach the
+    condition through the ``NextIteration`` ops. Without this, a schedule ran a gradient loop's
+    accumulated result, and the ops that read it, before the loop body::
+
+        Merge -> Switch -> Exit -> ReluGrad        Merge -> Switch -> body -> NextIteration
+                       \-> body -> NextIteration    ... then Exit -> ReluGrad
+    """
+    nexts: dict[str, list[int]] = {}
+    exits: list[int] = []
+    for i in active:
+        op = view.ops[i]
+        if op in ("NextIteration", "RefNextIteration") and view.frames[i]:
+            nexts.setdefault(view.frames[i], []).append(i)
+        elif op in ("Exit", "RefExit") and view.frames[i]:
+            exits.append(i)
+    return {i: tuple(nexts[view.frames[i]]) for i in exits if view.frames[i] in nexts}
 
 
 @timed("schedule")
@@ -237,6 +308,8 @@ def build_schedules(view: GraphView, fetches, flops: float = 15.7e12, mem_bandwi
         if trace.unmatched_first:
             rank = {i: rank.get(i, -1) for i in active}
     order = first_ready_order(view, active, cost, rank)
+    if memory_model == "executor":
+        order = late_invariant_enters(view, order)
     trips = loop_trips(view)
     if trips:  # a loop body is scheduled once but runs its trip count times (the order is unchanged)
         cost = {i: c * trips.get(view.frames[i], 1) if view.frames[i] else c for i, c in cost.items()}

@@ -16,8 +16,9 @@ A tensor is a *candidate* when swapping it is both safe and useful:
 * it is not summed by an AddN of three or more inputs at input 0, nor at a later input when
   input 0's buffer has another reader (see :func:`_order_sensitive_sum`);
 * at least one consumer is *rewirable*: a GPU op outside while-loop frames that is not itself a
-  control-flow op (those need their inputs in a particular frame or form), and whose edge from
-  the producer is not one Grappler fuses (see :data:`FUSED_EDGES`).
+  control-flow op (those need their inputs in a particular frame or form), or the ``Enter`` of a
+  loop invariant into a loop (:func:`loop_entry`), and whose edge from the producer is not one
+  Grappler fuses (see :data:`FUSED_EDGES`).
 
 User filters (name scopes and op types, for producers and consumers) narrow this further.
 """
@@ -220,7 +221,8 @@ def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters()
         for c in t.consumers:
             cnode = schedule.nodes[c]
             cop = view.ops[cnode]
-            if (schedule.on_gpu[c] and cop not in CONTROL_FLOW_OPS and not view.in_loop(cnode)
+            if (schedule.on_gpu[c] and ((cop not in CONTROL_FLOW_OPS and not view.in_loop(cnode))
+                                        or loop_entry(view, cnode))
                     and not fused_edge(op, cop)
                     and view.names[cnode] not in fused
                     and filters.consumer_ok(view.names[cnode], cop)):
@@ -230,6 +232,21 @@ def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters()
         if rewirable:
             out[t.id] = Candidate(t.id, tuple(rewirable), tuple(pinned), shared.get(t.id, ()), beyond)
     return out
+
+
+def loop_entry(view: GraphView, node: int) -> bool:
+    """Is ``node`` the ``Enter`` of a loop invariant into a loop outside other loops and cond
+    branches? A swap-in may feed it: the value leaves the GPU after its last use before the loop
+    and comes back before the loop reads it (the schedule runs such an ``Enter`` just before its
+    first reader, :func:`lmscli.model.schedule.late_invariant_enters`)::
+
+        x --> Enter --> body            x --> swap-out --> swap-in --> Enter --> body
+                                                trigger ---^ (an op before the loop)
+    """
+    from lmscli.model.schedule import invariant_enter
+
+    return (invariant_enter(view, node) and not view.frame_parent.get(view.frames[node], "")
+            and not view.conditional(node))
 
 
 # Forwarding ops Grappler removes whose output lms may swap all the same: the tensor lives on

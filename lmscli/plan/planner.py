@@ -32,7 +32,7 @@ from lmscli import timing
 from lmscli.plan import hoststacks
 from lmscli.analysis import Prepared, binding
 from lmscli.plan.candidates import (COND_PRODUCERS, Candidate, Filters, absorbed, boundary, branch_safe, candidates,
-                               edge_safe, landing_safe, removed_alias, trigger_safe)
+                               edge_safe, landing_safe, loop_entry, removed_alias, trigger_safe)
 from lmscli.device import Device
 from lmscli.errors import NoFitError
 from lmscli.plan.document import Plan, from_sim, graph_fingerprint, host_stacks_from, recompute_flops, recomputes_from_sim
@@ -121,6 +121,7 @@ class _Context:
         self.can_land_at = [ok and landing_safe(self.view, sched, k, fused) for k, ok in enumerate(self.can_edge)]
         self.absorbed = [absorbed(self.view, node, fused) for node in sched.nodes]
         self._triggers = [k for k, ok in enumerate(self.can_trigger) if ok]
+        self.entry_cap = _entry_caps(self.view, sched, self.preds)
         self._index_candidates()
         self._build_lifting()
         self._memo: dict[tuple, int | None] = {}
@@ -178,6 +179,11 @@ class _Context:
         (mode 1 or 3: see :attr:`waited_out`)."""
         return max(asked, 1) if self.waited_out else asked
 
+    def cap(self, consumers) -> int:
+        """The first position a trigger for ``consumers`` may not take: for a loop's ``Enter``,
+        the first op outside loops that depends on that loop (see :func:`_entry_caps`)."""
+        return min((self.entry_cap[c] for c in consumers), default=len(self.entry_cap))
+
     def any_trigger(self, latest: int, earliest: int) -> int | None:
         """The latest position in [earliest, latest] fit to trigger a swap-in, ancestor or not."""
         k = bisect.bisect_right(self._triggers, latest) - 1
@@ -187,8 +193,9 @@ class _Context:
         """The latest op before ``consumer``, from ``earliest`` on, fit to start work for it: its
         latest fit ancestor, else any fit op in that window (the schedule is a topological order,
         so that control edge closes no cycle)."""
-        found = self.trigger(consumer, consumer - 1, earliest, need)
-        return found if found is not None else self.any_trigger(consumer - 1, earliest)
+        latest = min(consumer, self.entry_cap[consumer]) - 1
+        found = self.trigger(consumer, latest, earliest, need)
+        return found if found is not None else self.any_trigger(latest, earliest)
 
     def need(self, consumers) -> frozenset:
         """The cond branches every op of ``consumers`` runs in: a trigger for them may run in
@@ -272,6 +279,7 @@ class _Context:
         """
         if need is None:
             need = self.tags[consumer]
+        latest = min(latest, self.entry_cap[consumer] - 1)
         key = (consumer, latest, earliest, need)
         found = self._memo.get(key, -2)
         if found == -2:
@@ -420,9 +428,10 @@ def _gap_swap(ctx: _Context, cand: Candidate, p: int, result: SimResult,
         stall = transfer if ctx.waited_out else max(0, freed_at - starts[w])
         waiters, lo = (w,), w
     v = far[0]
+    cap = ctx.cap(far)
     earliest = near[-1] if near else t.producer
     # Latest trigger whose end leaves the transfer time before v starts (no stall) ...
-    latest = min(bisect.bisect_right(ends, starts[v] - transfer) - 1, v - 1)
+    latest = min(bisect.bisect_right(ends, starts[v] - transfer) - 1, v - 1, cap - 1)
     need = ctx.need(far)
     trig = ctx.trigger(v, latest, max(earliest, p), need) if latest >= max(earliest, p) else None
     if trig is None and latest >= max(earliest, p):
@@ -432,7 +441,7 @@ def _gap_swap(ctx: _Context, cand: Candidate, p: int, result: SimResult,
         trig = ctx.any_trigger(latest, max(earliest, p))
     if trig is None:
         # ... else the latest trigger that still covers p, accepting a stall.
-        trig = ctx.trigger(v, v - 1, max(earliest, p), need)
+        trig = ctx.trigger(v, min(v, cap) - 1, max(earliest, p), need)
         if trig is None:
             return None
         stall += max(0, transfer - (starts[v] - ends[trig]))
@@ -453,6 +462,8 @@ def _gap_recompute(ctx: _Context, cand: Candidate, p: int, result: SimResult, ch
     if split is None:
         return None
     near, far = split
+    if ctx.cap(far) < len(ctx.entry_cap):
+        return None  # (a loop's Enter is fed by swap-ins only)
     trig = ctx.latest_trigger(far[0], max(near[-1] if near else t.producer, p), ctx.need(far))
     if trig is None:
         return None
@@ -1063,6 +1074,51 @@ def _tune_on(prepared: Prepared, device: Device, options: TuneOptions, margin: i
     return TuneResult(plan, baseline, result, budget, necessary, tuple(log), time_limited=limited)
 
 
+def _entry_caps(view, sched: Schedule, preds: list[list[int]]) -> list[int]:
+    """Per position, where a trigger for it must run before: for the ``Enter`` of a loop invariant
+    that a swap-in may feed (:func:`lmscli.plan.candidates.loop_entry`), the first op outside
+    loops that depends on any op of that loop; elsewhere, the schedule's length (no limit).
+
+    A trigger is an ancestor of the swap-in and so of the ``Enter``. If it waited for the loop
+    (an op after one of its ``Exit``s), the loop could not finish: its iterations wait for the
+    value, and only ``parallel_iterations`` of them may be under way::
+
+        x --> swap-out --> swap-in --> Enter --> body --> Exit --> y
+                 y --X--> (trigger)    (a cycle through the loop: not allowed)
+    """
+    n = len(sched)
+    caps = [n] * n
+    entries = [k for k, node in enumerate(sched.nodes) if loop_entry(view, node)]
+    if not entries:
+        return caps
+
+    def top(frame: str) -> str:
+        while view.frame_parent.get(frame, ""):
+            frame = view.frame_parent[frame]
+        return frame
+
+    bits: dict[str, int] = {}
+    first: dict[int, int] = {}  # frame bit -> first position outside loops depending on the loop
+    depends = [0] * n
+    for k, node in enumerate(sched.nodes):
+        mask = 0
+        for q in preds[k]:
+            mask |= depends[q]
+        frame = view.frames[node]
+        if frame:
+            mask |= bits.setdefault(top(frame), 1 << len(bits))
+        else:
+            m = mask
+            while m:
+                bit = m & -m
+                first.setdefault(bit, k)
+                m ^= bit
+        depends[k] = mask
+    for k in entries:
+        caps[k] = first.get(bits.get(top(view.frames[sched.nodes[k]]), 0), n)
+    return caps
+
+
 LANDING_REACH = 4  # positions after a swap-in's trigger searched for its landing op
 
 
@@ -1233,6 +1289,8 @@ def _with_recomputations(ctx: _Context, swaps: list, budget_act: int, result: Si
         if len(swap.groups) != 1 or tid in held:
             continue  # (a recomputation made a moment ago reads it: it stays as it is)
         group = swap.groups[0]
+        if ctx.cap(group.consumers) < len(ctx.entry_cap):
+            continue  # (a loop's Enter is fed by swap-ins only)
         v = group.consumers[0]
         earliest = max(swap.near[-1] if swap.near else sched.tensors[tid].producer, group.trigger)
         trig = ctx.latest_trigger(v, earliest, ctx.need(group.consumers))
