@@ -1450,7 +1450,11 @@ def predicted(baseline: SimResult, result: SimResult, budget: int, flops: float 
 
 
 def _no_fit_message(ctx: _Context, bound, budget: int, strategy: str) -> str:
-    return (f"no {_plan_kind(strategy)} plan can fit under {_budget_words(ctx.device)}: "
+    # (a model's claim: QA saw a plan lms made for a GPU train under less on the stand-in, whose
+    # executor runs another order)
+    where = "the stand-in" if ctx.waited_out else "a GPU"
+    model = "Grappler's estimate" if ctx.schedule.memory_model == "grappler" else "lms's model of its executor"
+    return (f"no {_plan_kind(strategy)} plan can fit under {_budget_words(ctx.device)} on {where}, by {model}: "
             f"{bound.explain(ctx.schedule, budget)}")
 
 
