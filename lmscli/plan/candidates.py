@@ -119,6 +119,26 @@ def absorbed(view: GraphView, node: int, fused: frozenset) -> bool:
     return view.names[src] not in fused and fused_edge(view.ops[src], view.ops[node])
 
 
+def remapped(view: GraphView, optimized) -> frozenset:
+    """Names of the nodes Grappler's remapper turns into a fused kernel under their own name
+    (``_FusedBatchNormEx``, ``_FusedConv2D``, ``_FusedMatMul``), found in ``optimized`` (what
+    Grappler's default optimizations make of the graph). A control input into one stops that
+    fusion (QA: a U-Net's stand-in plans made batch norms wait for swap-outs, and the optimizer
+    guard took a swap out of every plan, round after round, until none fitted)::
+
+        conv -> FusedBatchNormV3 -> Relu   ==>  conv -> _FusedBatchNormEx (the batch norm's name)
+        swap-out - - -> FusedBatchNormV3   ==>  conv -> FusedBatchNormV3 -> Relu (not fused)
+    """
+    if optimized is None:
+        return frozenset()
+    out = set()
+    for node in optimized.node:
+        i = view.index.get(node.name)
+        if i is not None and node.op.startswith("_Fused") and view.ops[i] != node.op:
+            out.add(node.name)
+    return frozenset(out)
+
+
 def _in_scope(name: str, scope: str) -> bool:
     scope = scope.rstrip("/")
     return name == scope or name.startswith(scope + "/")

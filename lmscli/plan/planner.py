@@ -32,7 +32,8 @@ from lmscli import timing
 from lmscli.plan import hoststacks
 from lmscli.analysis import Prepared, binding
 from lmscli.plan.candidates import (COND_PRODUCERS, Candidate, Filters, absorbed, boundary, branch_safe, candidates,
-                               edge_safe, landing_safe, loop_entry, removed_alias, trigger_safe)
+                               edge_safe, landing_safe, loop_entry, remapped, removed_alias,
+                               trigger_safe)
 from lmscli.device import Device
 from lmscli.errors import NoFitError
 from lmscli.plan.document import Plan, from_sim, graph_fingerprint, host_stacks_from, recompute_flops, recomputes_from_sim
@@ -118,7 +119,11 @@ class _Context:
         self.can_edge = [ok or (bool(self.tags[k]) and trigger_safe(self.view, sched, k))
                          for k, ok in enumerate(self.can_trigger)]
         fused = frozenset(prepared.fused or ())
-        self.can_land_at = [ok and landing_safe(self.view, sched, k, fused) for k, ok in enumerate(self.can_edge)]
+        roots = remapped(self.view, prepared.optimized)
+        # (a fused kernel's root takes no control input: it would stop the fusion)
+        self.fusion_root = [name in roots for name in sched.names]
+        self.can_land_at = [ok and landing_safe(self.view, sched, k, fused) and not self.fusion_root[k]
+                            for k, ok in enumerate(self.can_edge)]
         self.absorbed = [absorbed(self.view, node, fused) for node in sched.nodes]
         self._triggers = [k for k, ok in enumerate(self.can_trigger) if ok]
         self.entry_cap = _entry_caps(self.view, sched, self.preds)
@@ -207,10 +212,12 @@ class _Context:
 
     def can_wait(self, p: int, tid: int) -> bool:
         """May the op at ``p`` wait for the swap-out of tensor ``tid``? Not an activation the
-        remapper fuses into its producer (:func:`lmscli.plan.candidates.absorbed`): a control input into
-        it stops that fusion, and the guard would then forbid the tensor. The swap-out runs in the
+        remapper fuses into its producer (:func:`lmscli.plan.candidates.absorbed`), nor the root of a
+        fused kernel (:func:`lmscli.plan.candidates.remapped`): a control input into either stops
+        that fusion, and the guard would then forbid the tensor. The swap-out runs in the
         branches of the tensor (:meth:`tensor_tags`), which ``p`` must run in too."""
-        return self.can_edge[p] and not self.absorbed[p] and branch_safe(self.tensor_tags(tid), self.tags[p])
+        return (self.can_edge[p] and not self.absorbed[p] and not self.fusion_root[p]
+                and branch_safe(self.tensor_tags(tid), self.tags[p]))
 
     def waiter(self, p: int, tid: int, near: tuple[int, ...] = ()) -> int | None:
         """The op to wait for the swap-out of tensor ``tid`` so that its GPU copy is gone when the
