@@ -180,6 +180,22 @@ def test_measure_names_each_graph_below_their_common_folder(tmp_path, monkeypatc
     assert _short_paths(["a.meta"]) == ("", ["a.meta"])
 
 
+def test_measure_runs_an_unrelated_graphs_own_step(samples):
+    """`lms measure A B` runs B's step as A's (a rewrite of A has A's train op); a graph without
+    those ops runs its own rather than failing (QA: "--fetch names no node 'apply_gradients'" for
+    two unrelated graphs, with no --fetch given). An explicit --fetch still applies to all."""
+    from lmscli import api
+    from lmscli.errors import InputError
+    from lmscli.verify_cli import _load_like
+
+    first = api.load(str(samples / "cnn.meta"))
+    other = _load_like(str(samples / "tf2_step"), first, None)
+    assert list(other.fetches) == list(api.load(str(samples / "tf2_step")).fetches) != list(first.fetches)
+    assert list(_load_like(str(samples / "cnn.meta"), first, None).fetches) == list(first.fetches)
+    with pytest.raises(InputError, match="--fetch names no node"):
+        _load_like(str(samples / "tf2_step"), first, list(first.fetches))
+
+
 @pytest.fixture(scope="module")
 def attention(tmp_path_factory):
     """The generator's transformer (two layers of attention and GELU MLP, layer norm): 23 MiB on
