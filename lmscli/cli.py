@@ -512,6 +512,8 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
         plan = replace(plan, serialize=plan.serialize + api.serialization_chains(prepared, levels, min_bytes))
     with progress.phase("writing the swap nodes"):
         new_graph, rep = api.rewrite(prepared, plan, host_device=host_device, force=force)
+        # (a given plan is simulated before anything is written: PlanError if lms cannot follow it)
+        shown = result if result is not None else api.replay(prepared, plan)
         written = None
         if not dry_run:
             written = api.save(loaded, new_graph, output)
@@ -522,7 +524,6 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
             event_file = write_graph(new_graph, tensorboard_logdir)
     if plan_out:
         api.atomic_write(plan_out, plan.to_json().encode("utf-8"))
-    shown = result if result is not None else api.replay(prepared, plan)
     details = report.plan_details(prepared, shown)
     doc = {"schema": "lms.rewrite", "version": 1, "fits": shown.fits, "output": None if dry_run else output,
            "format": written, "dry_run": dry_run, "summary": rep.summary(),

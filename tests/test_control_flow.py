@@ -474,3 +474,36 @@ def test_a_tensor_a_loop_reads_is_swapped_around_the_loop_and_trains_identically
     api.save(model, new_graph, str(path))
     proof = realmem.prove_at_limit(model, api.load(str(path)), 80 << 20, runs=1)
     assert proof.proven and not proof.original.fits, proof.line()
+
+
+def test_a_swap_in_that_waits_for_the_loop_it_feeds_is_refused(early_tensor, monkeypatch):
+    """A swap-in that feeds a loop's ``Enter`` and is triggered by an op after that loop would make
+    the loop wait for a value that waits for the loop: the step never ends (QA round 30: a
+    hand-edited plan was written, its replay crashed with a KeyError, and `lms verify` hung).
+    Such a plan is refused by the replay (its trigger runs after the consumer) and by the
+    rewriter (the swap-in depends on the loop); a graph that hangs all the same stops `lms
+    verify` after its step timeout with a message."""
+    from dataclasses import replace
+
+    from tensorflow.core.protobuf import meta_graph_pb2
+
+    from lmscli.errors import LmsError, PlanError
+    from lmscli.plan.document import PlannedSwap, PlannedSwapIn
+
+    model, prepared = early_tensor
+    plan = api.tune(prepared, api.make_device(gpu_mem="60MiB")).plan
+    # x into the forward loop, brought back by MatMul_1, which reads that loop's result
+    bad_swap = PlannedSwap("x:0", 4 << 20, ("gradients/while/mul_grad/Mul/Enter", "gradients/x_grad/ReluGrad"),
+                           (PlannedSwapIn(("while/mul/Enter",), "MatMul_1"),))
+    bad = replace(plan, swaps=(bad_swap,), recomputes=(), host_stacks=())
+    with pytest.raises(PlanError, match="runs after"):
+        api.replay(prepared, bad)
+    with pytest.raises(PlanError, match="would never end"):
+        api.rewrite(prepared, bad)
+
+    hung = meta_graph_pb2.MetaGraphDef()
+    hung.CopyFrom(model.meta_graph)
+    next(n for n in hung.graph_def.node if n.name == "while/mul/Enter").input.append("^MatMul_1")
+    monkeypatch.setattr(steps, "STEP_TIMEOUT_S", 5)
+    with pytest.raises(LmsError, match="did not end within 5 s"):
+        steps.run_steps(hung, model.fetches)

@@ -294,6 +294,7 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
         raise GraphError(f"the rewritten graph is invalid: {exc}") from None
     if any(after.frames) or any(after.cond_depth):
         _check_branches(view if view is not None else GraphView(meta_graph.graph_def), after)
+        _check_loop_entries(after)
     report = RewriteReport(len(plan.swaps), n_in, out_bytes, in_bytes, control_edges, tuple(added), n_re, re_bytes,
                            n_clones, len(plan.host_stacks), sum(h.bytes for h in plan.host_stacks), n_landed)
     return out, report
@@ -330,6 +331,28 @@ def _check_branches(before: GraphView, after: GraphView) -> None:
                             "than it does (from an op in a branch to one outside it, or in another branch)")
         if after.frames[k] != before.frames[i]:
             raise PlanError(f"the plan moves {name!r} into another while-loop frame")
+
+
+def _check_loop_entries(after: GraphView) -> None:
+    """No node lms added that feeds a while loop's ``Enter`` waits for that loop. Its iterations
+    wait for the value, only ``parallel_iterations`` of them may be under way, and so the loop
+    never ends: the step hangs (QA: a hand-edited plan triggered the swap-in of a decoder loop's
+    attention memory by the projection after that loop)::
+
+        x --> swap-out --> swap-in --> Enter --> loop body ... Exit --> proj
+                              ^- - - - - - - - - - - - - - - - - - - - -'   refused
+    """
+    for k in range(after.size):
+        if not is_lms_node(after.names[k]):
+            continue
+        frames = {after.frames[dst] for dst, _port, _out in after.consumers[k] if after.ops[dst] in ("Enter", "RefEnter")}
+        if not frames:
+            continue
+        for a in sorted(after.ancestors([k])):
+            if any(after.frames[a] == f or after.frames[a].startswith(f + "/") for f in frames):
+                raise PlanError(f"the plan brings a value back into while loop {after.frames[a]!r} after an op that "
+                                f"waits for that loop ({after.names[a]!r}): the loop would wait for it, and the step "
+                                "would never end; trigger it by an op that runs before the loop")
 
 
 def _to_host(nodes: dict, stack, host_device: str) -> None:

@@ -223,6 +223,11 @@ def to_sim(plan_swaps, schedule: Schedule) -> list[SimSwap]:
                    pos(g.landing, "landing op") if g.landing else -1)
             for g in (swap.groups if isinstance(swap, PlannedRecompute) else swap.swap_ins)
         )
+        for group in groups:
+            if group.trigger >= group.consumers[0]:
+                raise PlanError(f"the plan starts bringing back {swap.tensor!r} at {schedule.names[group.trigger]!r}, "
+                                f"which runs after {schedule.names[group.consumers[0]]!r}, a consumer it is for, in "
+                                "the step's order; make the trigger an op that runs before its first consumer")
         if isinstance(swap, PlannedRecompute):
             chain = tuple(sorted(pos(op, "recomputed op") for op in swap.ops))
             cost, extra = recompute_cost(schedule, chain)

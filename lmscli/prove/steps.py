@@ -377,6 +377,9 @@ def failed_run(exc: Exception) -> LmsError:
     return LmsError(f"the graph failed to run on CPU: {error_line(exc)}")
 
 
+STEP_TIMEOUT_S = 600  # a step of `lms verify` (on CPU, in this process) that runs longer is stopped
+
+
 def run_steps(meta_graph, fetches, steps: int = 1, batch_size: int = 2, loss: str | None = "loss:0",
               copies: bool = False, optimize: bool = True) -> StepRun:
     """Import ``meta_graph`` and run ``steps`` training steps of ``fetches`` on CPU.
@@ -384,11 +387,13 @@ def run_steps(meta_graph, fetches, steps: int = 1, batch_size: int = 2, loss: st
     ``copies=True`` runs the measurement copy (swap nodes as real copies), to check it computes
     the same as the graph; ``optimize=False`` runs it as written (Grappler off)."""
     tf = tensorflow()
+    # (a step that waits for itself would hang the command: QA, a graph whose swap-in waited for the loop it fed)
+    options = tf.compat.v1.RunOptions(timeout_in_ms=STEP_TIMEOUT_S * 1000)
     try:
         meta = place_on_cpu(meta_graph, copies=copies).meta_graph
         g = import_graph(meta, fetches, loss)
         with tf.compat.v1.Session(graph=g.graph, config=session_config(optimize)) as sess:
-            sess.run(g.init, feed_dict=g.init_feed)
+            sess.run(g.init, feed_dict=g.init_feed, options=options)
             losses, outputs = [], []
             # A graph without variables (a frozen inference graph) changes no state: what it
             # computes is what its fetched ops output, so those are compared.
@@ -397,15 +402,18 @@ def run_steps(meta_graph, fetches, steps: int = 1, batch_size: int = 2, loss: st
                 fetch = {"train": g.targets, "outputs": produced}
                 if g.loss is not None:
                     fetch["loss"] = g.loss
-                out = sess.run(fetch, feed_dict=feeds(g.placeholders, batch_size, step))
+                out = sess.run(fetch, feed_dict=feeds(g.placeholders, batch_size, step), options=options)
                 if g.loss is not None:
                     losses.append(np.asarray(out["loss"]))
                 if produced:
                     outputs.append({t.name: np.asarray(v) for t, v in zip(produced, out["outputs"])})
-            values = dict(zip(g.variable_names, sess.run(g.variables)))
+            values = dict(zip(g.variable_names, sess.run(g.variables, options=options)))
         placements = {op.name: op.device for op in g.graph.get_operations() if is_lms_node(op.name)}
     except LmsError:
         raise
+    except tf.errors.DeadlineExceededError:
+        raise LmsError(f"a training step did not end within {STEP_TIMEOUT_S} s on CPU: the graph may wait for "
+                       "itself (an op waiting for a while loop that waits for it)") from None
     except Exception as exc:
         raise failed_run(exc) from None
     return StepRun(tuple(losses), values, placements, tuple(outputs))
