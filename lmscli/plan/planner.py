@@ -1403,8 +1403,11 @@ def _guard_words(options: TuneOptions, view) -> str:
     for name in options.forbidden:
         node, _, port = name.rpartition(":")
         i = view.index.get(node)
-        sized.append((-(view.tensor_bytes(i, int(port)) if i is not None and port.isdigit() else 0), name))
-    largest = ", ".join(f"{name} {format_size(-size)}" for size, name in sorted(sized)[:3])
+        sized.append((-(view.tensor_bytes(i, int(port)) if i is not None and port.isdigit() else 0), name,
+                      i is not None and view.ops[i] in ("StackV2", "Stack")))
+    # (a gradient stack's handle has no size: what it keeps, on the GPU now, is what counts; QA round 30)
+    largest = ", ".join(f"{name} (a gradient stack, kept on the GPU)" if stack else f"{name} {format_size(-size)}"
+                        for size, name, stack in sorted(sized)[:3])
     more = ", ..." if len(sized) > 3 else ""
     return (f" (with {len(options.forbidden)} tensor(s) the optimizer guard leaves unswapped ({largest}{more}), "
             "since a swap node there changes what Grappler's optimizations do; `lms analyze` counts them as "
