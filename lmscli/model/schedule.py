@@ -266,7 +266,7 @@ def _exit_waits(view: GraphView, active: set[int]) -> dict[int, tuple[int, ...]]
     accumulated result, and the ops that read it, before the loop body::
 
         Merge -> Switch -> Exit -> ReluGrad        Merge -> Switch -> body -> NextIteration
-                       \-> body -> NextIteration    ... then Exit -> ReluGrad
+                       +-> body -> NextIteration    ... then Exit -> ReluGrad
     """
     nexts: dict[str, list[int]] = {}
     exits: list[int] = []
