@@ -307,3 +307,6 @@ def _render_needs(console, needs) -> None:
     console.print(table)
     console.print("[dim]predicted here = the stand-in's prediction: the CPU kernels' scratch buffers and the CPU "
                   "executor's op order, observed once per graph in a traced step (a GPU has neither)[/]")
+    if any(n.varies for n in needs):  # (QA round 30: the mark had no legend)
+        console.print("[dim](varies) = a smaller limit fitted once and then failed when confirmed: the executor's "
+                      "order, and with it the need, differs between runs[/]")

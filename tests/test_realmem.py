@@ -383,3 +383,18 @@ def test_the_judges_runs_are_told_under_both_limits():
     failed = _stand_in_line({"limit_bytes": 20 * MIB, "runs": 6, "steps": 2, "fits": False, "peak_in_use_bytes": None,
                              "failure": "under 19.00 MiB: out of memory", "headroom_limit_bytes": 19 * MIB})
     assert failed.startswith("5 run(s) of 2 step(s) under 20.00 MiB and 1 under 19.00 MiB: under 19.00 MiB")
+
+
+def test_measure_explains_a_varying_need():
+    """A need marked "(varies)" is explained under the table (QA round 30: the mark had no legend)."""
+    from rich.console import Console
+
+    from lmscli.prove.realmem import Need, Prediction
+    from lmscli.verify_cli import _render_needs
+
+    prediction = Prediction(20 * MIB, 21 * MIB, 0, 25 * MIB)
+    for varies in (False, True):
+        console = Console(record=True, width=100)
+        _render_needs(console, [Need("a.meta", 22 * MIB, ((22 * MIB, True),), varies, 1.0, prediction)])
+        text = console.export_text()
+        assert ("(varies) = a smaller limit fitted once" in text) is varies
