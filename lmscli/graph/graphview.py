@@ -362,5 +362,11 @@ class GraphView:
     def in_loop(self, i: int) -> bool:
         return bool(self.frames[i])
 
+    def outermost(self, frame: str) -> str:
+        """The loop frame ``frame`` is nested in that no other loop contains (itself if none)."""
+        while self.frame_parent.get(frame):
+            frame = self.frame_parent[frame]
+        return frame
+
     def conditional(self, i: int) -> bool:
         return self.cond_depth[i] > 0

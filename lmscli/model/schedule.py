@@ -394,12 +394,6 @@ def _add_storage(tensors: list, inputs: list, pos: int, kept, position: dict, n:
         inputs[reader].append(tid)
 
 
-def _outermost(view: GraphView, frame: str) -> str:
-    while view.frame_parent.get(frame):
-        frame = view.frame_parent[frame]
-    return frame
-
-
 def _describe(view: GraphView, order: list[int], cost: dict, on_gpu: list[bool], device: str) -> Schedule:
     """The schedule of ``order`` as seen by one GPU: ``on_gpu`` marks its ops."""
     position = {node: pos for pos, node in enumerate(order)}
@@ -414,13 +408,13 @@ def _describe(view: GraphView, order: list[int], cost: dict, on_gpu: list[bool],
     if kept:
         for pos, i in enumerate(order):
             if view.frames[i]:
-                loop_end[_outermost(view, view.frames[i])] = pos
+                loop_end[view.outermost(view.frames[i])] = pos
     for pos, i in enumerate(order):
         if view.ops[i] in VARIABLE_OPS:
             continue
         if i in kept and on_gpu[pos]:
-            end = loop_end.get(_outermost(view, view.frames[i]), -1) if view.frames[i] else -1
-            reader_ends = tuple(loop_end.get(_outermost(view, view.frames[r]), -1) for r in kept[i].readers
+            end = loop_end.get(view.outermost(view.frames[i]), -1) if view.frames[i] else -1
+            reader_ends = tuple(loop_end.get(view.outermost(view.frames[r]), -1) for r in kept[i].readers
                                 if view.frames[r])
             _add_storage(tensors, inputs, pos, kept[i], position, len(order), end, reader_ends,
                          view.ops[i].startswith("TensorList"))

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lmscli.graph.graphview import CONTROL_FLOW_OPS, SHAPE_OPS, VARIABLE_OPS, GraphView
-from lmscli.model.schedule import Schedule
+from lmscli.model.schedule import Schedule, invariant_enter
 
 NEVER_SWAP_PRODUCERS = frozenset({"Const", "HostConst", "BroadcastGradientArgs"}) | SHAPE_OPS | VARIABLE_OPS | CONTROL_FLOW_OPS
 
@@ -263,8 +263,6 @@ def loop_entry(view: GraphView, node: int) -> bool:
         x --> Enter --> body            x --> swap-out --> swap-in --> Enter --> body
                                                 trigger ---^ (an op before the loop)
     """
-    from lmscli.model.schedule import invariant_enter
-
     return (invariant_enter(view, node) and not view.frame_parent.get(view.frames[node], "")
             and not view.conditional(node))
 

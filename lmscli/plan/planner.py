@@ -1099,11 +1099,6 @@ def _entry_caps(view, sched: Schedule, preds: list[list[int]]) -> list[int]:
     if not entries:
         return caps
 
-    def top(frame: str) -> str:
-        while view.frame_parent.get(frame, ""):
-            frame = view.frame_parent[frame]
-        return frame
-
     bits: dict[str, int] = {}
     first: dict[int, int] = {}  # frame bit -> first position outside loops depending on the loop
     depends = [0] * n
@@ -1113,7 +1108,7 @@ def _entry_caps(view, sched: Schedule, preds: list[list[int]]) -> list[int]:
             mask |= depends[q]
         frame = view.frames[node]
         if frame:
-            mask |= bits.setdefault(top(frame), 1 << len(bits))
+            mask |= bits.setdefault(view.outermost(frame), 1 << len(bits))
         else:
             m = mask
             while m:
@@ -1122,7 +1117,7 @@ def _entry_caps(view, sched: Schedule, preds: list[list[int]]) -> list[int]:
                 m ^= bit
         depends[k] = mask
     for k in entries:
-        caps[k] = first.get(bits.get(top(view.frames[sched.nodes[k]]), 0), n)
+        caps[k] = first.get(bits.get(view.outermost(view.frames[sched.nodes[k]]), 0), n)
     return caps
 
 
