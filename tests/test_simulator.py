@@ -253,6 +253,22 @@ def test_a_bounded_region_hands_its_last_chunk_out_whole():
     assert fits_in_region(events, bounded_min_limit(events, start=25 * mib))
 
 
+def test_what_is_resident_takes_only_its_own_bytes_of_the_region():
+    """Variables are many allocations split off the region's start, never one chunk handed out
+    whole: 195 MiB of a ResNet-50's variables under a 283 MiB limit leave 88 MiB for its tensors
+    (the model had handed the resident set the whole region below 195 + 128 MiB, and predicted
+    324 MiB for a rewrite the stand-in ran under 283)."""
+    from lmscli.model.memmodel import bounded_min_limit, fits_in_region
+
+    mib = 1 << 20
+    events = [(0, 0, 1, 0, 40 * mib), (1, 0, 1, 1, 39 * mib), (2, 0, 1, 0, -40 * mib), (3, 0, 1, 1, -39 * mib)]
+    assert fits_in_region(events, 283 * mib, base=195 * mib)
+    assert not fits_in_region(events, 273 * mib, base=195 * mib)
+    assert not fits_in_region([], 100 * mib, base=101 * mib)
+    # 274 MiB leave 79 MiB: the 40 MiB request is handed all of it (less than twice its size)
+    assert bounded_min_limit(events, base=195 * mib, start=274 * mib) == 275 * mib
+
+
 def test_what_a_loop_keeps_is_placed_one_iteration_at_a_time():
     """A stack is filled by one push per iteration, each its own allocation: between two live
     tensors, two 3 MiB holes take its six 1 MiB elements, where one 6 MiB block fits nowhere in an
