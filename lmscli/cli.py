@@ -205,6 +205,10 @@ def plan_options(func):
                   help="Never rewire consumers under SCOPE to a swap-in.")
     @click.option("--exclude-consumer-type", multiple=True, metavar="OP",
                   help="Never rewire consumers of type OP to a swap-in.")
+    @click.option("--keep-loop-parallelism", is_flag=True,
+                  help="Leave while loops' parallel_iterations as they are. By default a plan runs each loop one "
+                       "iteration at a time (the same results), as lms's memory model counts it: overlapping "
+                       "iterations each hold their own temporaries.")
     @click.option("--judge", type=click.Choice(["executor", "grappler"]), default="executor", show_default=True,
                   help="What decides that a plan fits: the simulator of TensorFlow's executor (what a run really "
                        "allocates), or Grappler's static estimate (conservative; today's TFLMS-like behaviour).")
@@ -224,7 +228,8 @@ def plan_options(func):
 
 
 def _tune_options(strategy, swapout_threshold, swapin_ahead, swapin_groupby, sync_mode, include_scope,
-                  exclude_scope, include_type, exclude_type, exclude_consumer_scope, exclude_consumer_type):
+                  exclude_scope, include_type, exclude_type, exclude_consumer_scope, exclude_consumer_type,
+                  keep_loop_parallelism=False):
     from lmscli.plan.candidates import Filters
     from lmscli.plan.planner import TflmsParams, TuneOptions
 
@@ -240,7 +245,8 @@ def _tune_options(strategy, swapout_threshold, swapin_ahead, swapin_groupby, syn
                             swapin_ahead if swapin_ahead is not None else 1,
                             swapin_groupby if swapin_groupby is not None else 0,
                             sync_mode or 0)
-    return TuneOptions(strategy=strategy, filters=filters, tflms=tflms, sync_mode=sync_mode or 0)
+    return TuneOptions(strategy=strategy, filters=filters, tflms=tflms, sync_mode=sync_mode or 0,
+                       serial_loops=not keep_loop_parallelism)
 
 
 def _device(prepared, gpu_mem, device_preset, reserve, host_mem, link):
@@ -529,7 +535,7 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
            "format": written, "dry_run": dry_run, "summary": rep.summary(),
            "swap_outs": rep.swap_outs, "swap_ins": rep.swap_ins, "swap_out_bytes": rep.swap_out_bytes,
            "swap_in_bytes": rep.swap_in_bytes, "recomputes": rep.recomputes, "recompute_bytes": rep.recompute_bytes,
-           "host_stacks": rep.host_stacks, "control_edges": rep.control_edges,
+           "host_stacks": rep.host_stacks, "serial_loops": rep.serial_loops, "control_edges": rep.control_edges,
            "added_nodes": list(rep.added_nodes), "tensorboard_event_file": event_file,
            "time_limited": bool(result is not None and result.time_limited), "plan": plan.to_dict(), **details}
     with progress.phase("drawing", active=bool(plot or report_file)):

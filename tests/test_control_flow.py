@@ -393,7 +393,7 @@ def test_a_lower_bound_counts_a_cond_in_a_loop_as_if_every_trip_took_the_smaller
     assert api.analyze(prepared).lower_bound_bytes <= bound  # (less with the stacks lms can host)
 
 
-def _early_tensor_read_by_loops(path):
+def _early_tensor_read_by_loops(path, parallel_iterations=1):
     """``x`` (4 MiB) is made first and read through ``Enter`` by a while loop and by its gradient
     loop; between the two, four dense layers run forward and backward (8 MiB activations), where
     the step peaks with ``x`` held."""
@@ -404,7 +404,7 @@ def _early_tensor_read_by_loops(path):
         w1 = v1.get_variable("w1", [width, width], initializer=init, use_resource=True)
         x = tf.nn.relu(tf.matmul(inp, w1), name="x")
         _, h = v1.while_loop(lambda i, h: i < 4, lambda i, h: (i + 1, tf.tanh(h * x + 0.1)),
-                             [tf.constant(0), tf.ones([batch, width])], parallel_iterations=1)
+                             [tf.constant(0), tf.ones([batch, width])], parallel_iterations=parallel_iterations)
         y = h
         for k in range(4):
             w = v1.get_variable(f"w{k + 2}", [y.shape[1], hidden], initializer=init, use_resource=True)
@@ -507,3 +507,39 @@ def test_a_swap_in_that_waits_for_the_loop_it_feeds_is_refused(early_tensor, mon
     monkeypatch.setattr(steps, "STEP_TIMEOUT_S", 5)
     with pytest.raises(LmsError, match="did not end within 5 s"):
         steps.run_steps(hung, model.fetches)
+
+
+def test_a_plan_runs_loops_with_parallel_iterations_one_at_a_time(tmp_path):
+    """A v1 loop may run up to ``parallel_iterations`` iterations at once, each with its own
+    temporaries; lms's model counts one in flight, so a plan runs every loop of the step one
+    iteration at a time (the same values: each iteration still waits for what it reads). On the
+    stand-in a dynamic_rnn LSTM with 32 parallel iterations needed 73 MiB, predicted 55; run one
+    at a time, 53. ``--keep-loop-parallelism`` (``serial_loops=False``) leaves them."""
+    from lmscli.errors import PlanError
+    from lmscli.plan.document import Plan
+
+    model = api.load(str(_early_tensor_read_by_loops(tmp_path / "loops.meta", parallel_iterations=10)))
+    prepared = api.prepare(model)
+    frames = sorted({prepared.view.frame_names[i] for i in range(prepared.view.size)
+                     if prepared.view.ops[i] == "Enter"})
+    assert len(frames) == 2  # the loop and its gradient loop, both with parallel_iterations 10
+    device = api.make_device(gpu_mem="60MiB")
+    plan = api.tune(prepared, device).plan
+    assert plan.changes and plan.serial_loops == tuple(frames)
+    assert api.tune(prepared, device, api.TuneOptions(serial_loops=False)).plan.serial_loops == ()
+    assert Plan.from_dict(json.loads(plan.to_json())) == plan
+
+    new_graph, report = api.rewrite(prepared, plan)
+    assert report.serial_loops == 2 and "2 while loop(s) set to run one iteration at a time" in report.summary()
+    enters = [n for n in new_graph.graph_def.node if n.op == "Enter"]
+    assert enters and all(n.attr["parallel_iterations"].i == 1 for n in enters)
+    assert all(n.attr["parallel_iterations"].i == 10 for n in model.meta_graph.graph_def.node if n.op == "Enter")
+    before = steps.run_steps(model.meta_graph, model.fetches, steps=2)
+    after = steps.run_steps(new_graph, model.fetches, steps=2)
+    assert steps.first_difference(before, after) is None
+
+    data = plan.to_dict()
+    with pytest.raises(PlanError, match="serial_loops"):
+        Plan.from_dict({**data, "serial_loops": "rnn/while"})
+    with pytest.raises(PlanError, match="no Enter of that frame"):
+        api.rewrite(prepared, Plan.from_dict({**data, "serial_loops": ["no/such/loop"]}))

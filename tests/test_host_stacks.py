@@ -73,14 +73,20 @@ def test_below_what_swaps_reach_the_stacks_go_to_the_host(stack_rnn, runner, tmp
     again = Plan.from_json(plan.to_json())
     assert again == plan
     assert api.replay(prepared, again).result.peak_bytes == result.result.peak_bytes
-    # The rewrite moves the stack ops to the host and changes nothing else.
+    # The rewrite moves the stack ops to the host, runs the loops one iteration at a time, and
+    # changes nothing else.
     meta, report = api.rewrite(prepared, plan)
     assert report.host_stacks == len(plan.host_stacks) and not report.added_nodes
+    assert plan.serial_loops and report.serial_loops == len(plan.serial_loops)
     moved = {h.stack for h in plan.host_stacks} | {op for h in plan.host_stacks for op in h.ops}
     before = {n.name: n for n in model.meta_graph.graph_def.node}
     for node in meta.graph_def.node:
         if node.name in moved:
             assert node.device == "/device:CPU:0" and "_class" not in node.attr
+        elif node.op == "Enter":
+            assert node.attr["parallel_iterations"].i == 1
+            node.attr["parallel_iterations"].i = before[node.name].attr["parallel_iterations"].i
+            assert node == before[node.name]
         else:
             assert node == before[node.name]
     # ... and trains bit-identically (lms verify, in-process).

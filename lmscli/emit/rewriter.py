@@ -79,6 +79,7 @@ class RewriteReport:
     host_stacks: int = 0  # gradient stacks moved to the host
     host_stack_bytes: int = 0
     landed: int = 0  # swap-ins read on the GPU through an Identity placed like the producer
+    serial_loops: int = 0  # while loops set to run one iteration at a time
 
     def summary(self) -> str:
         from lmscli.units import format_size
@@ -95,6 +96,8 @@ class RewriteReport:
         if self.host_stacks:
             line += (f"; moved {self.host_stacks} gradient stack(s) of while loops to the host "
                      f"({format_size(self.host_stack_bytes)} per step)")
+        if self.serial_loops:
+            line += f"; {self.serial_loops} while loop(s) set to run one iteration at a time"
         return line
 
 
@@ -288,6 +291,7 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
             add_control(after, before)
     for stack in plan.host_stacks:
         _to_host(nodes, stack, host_device)
+    serial = _serialize_loops(graph, plan.serial_loops)
     try:
         after = GraphView(graph)
     except GraphError as exc:
@@ -296,7 +300,8 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
         _check_branches(view if view is not None else GraphView(meta_graph.graph_def), after)
         _check_loop_entries(after)
     report = RewriteReport(len(plan.swaps), n_in, out_bytes, in_bytes, control_edges, tuple(added), n_re, re_bytes,
-                           n_clones, len(plan.host_stacks), sum(h.bytes for h in plan.host_stacks), n_landed)
+                           n_clones, len(plan.host_stacks), sum(h.bytes for h in plan.host_stacks), n_landed,
+                           serial)
     return out, report
 
 
@@ -373,6 +378,35 @@ def _to_host(nodes: dict, stack, host_device: str) -> None:
         node.device = host
         if "_class" in node.attr:
             del node.attr["_class"]
+
+
+def _serialize_loops(graph, frames) -> int:
+    """Run each while loop named in ``frames`` (its ``Enter`` ops' ``frame_name``) one iteration
+    at a time; returns how many loops changed. The executor reads ``parallel_iterations`` from the
+    ``Enter`` that makes the frame; every ``Enter`` of the loop carries it, so all are set.
+    Iterations compute the same values either way::
+
+        Enter(x; frame_name="rnn/while/", parallel_iterations=32)
+          -->  Enter(x; frame_name="rnn/while/", parallel_iterations=1)
+    """
+    wanted = set(frames)
+    seen: set[str] = set()
+    changed: set[str] = set()
+    for node in graph.node:
+        if node.op not in ("Enter", "RefEnter"):
+            continue
+        frame = node.attr["frame_name"].s.decode("utf-8", "replace") if "frame_name" in node.attr else ""
+        if frame not in wanted:
+            continue
+        seen.add(frame)
+        if node.attr["parallel_iterations"].i != 1:
+            node.attr["parallel_iterations"].i = 1
+            changed.add(frame)
+    missing = sorted(wanted - seen)
+    if missing:
+        raise PlanError(f"the plan runs while loop {missing[0]!r} one iteration at a time, but the graph has no "
+                        "Enter of that frame")
+    return len(changed)
 
 
 def _rewire(nodes: dict, consumers, refs: set, new: str, tensor: str) -> None:

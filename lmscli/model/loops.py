@@ -161,8 +161,9 @@ def notes(view: GraphView, active, loops: dict[str, Loop]) -> tuple[str, ...]:
                     and view.ops[i] in ("Enter", "RefEnter")), default=1)
     if parallel > 1:
         out.append(f"up to {parallel} iterations of a loop may run at once (its parallel_iterations), and lms counts "
-                   "the temporaries of one: a loop's need can be higher than predicted (a TensorFlow 2 `tf.range` "
-                   "loop needed twice its prediction on the stand-in; see the README's known limits)")
+                   "the temporaries of one: the graph as written can need more than predicted (a dynamic_rnn LSTM "
+                   "needed 73 MiB on the stand-in, predicted 55); lms's plans run such loops one iteration at a "
+                   "time, which computes the same (53 MiB), unless --keep-loop-parallelism")
     return tuple(out)
 
 
@@ -203,6 +204,17 @@ def _one_branch_per_cond(view: GraphView, found: list[Storage]) -> list[Storage]
             s = replace(s, least_bytes=s.num_bytes * least // per)
         out.append(s)
     return out
+
+
+def parallel_loops(view: GraphView, names) -> tuple[str, ...]:
+    """The frame names of the while loops among the ops ``names`` whose ``parallel_iterations`` is
+    more than 1, sorted. Their iterations may overlap, each holding its own temporaries, where
+    lms's model counts one iteration in flight; a plan runs them one at a time
+    (:attr:`lmscli.plan.document.Plan.serial_loops`)."""
+    names = set(names)
+    return tuple(sorted({view.frame_names[i] for i in range(view.size)
+                         if view.ops[i] in ("Enter", "RefEnter") and view.names[i] in names
+                         and view.frame_names[i] and _parallel_iterations(view, i) > 1}))
 
 
 def _parallel_iterations(view: GraphView, enter: int) -> int:

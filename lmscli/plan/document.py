@@ -75,6 +75,10 @@ class Plan:
     grappler: dict = field(default_factory=dict)
     recomputes: tuple[PlannedRecompute, ...] = ()
     host_stacks: tuple[PlannedHostStack, ...] = ()
+    # While loops (their Enters' frame_name) that run one iteration at a time (parallel_iterations
+    # 1): what lms's memory model counts. Results are the same; a loop with parallel iterations
+    # holds the temporaries of several at once (a dynamic_rnn LSTM: 73 MiB, serial 53).
+    serial_loops: tuple[str, ...] = ()
     # Consumers read each swap-in through an Identity placed like the tensor's producer (see
     # lmscli.emit.rewriter); off for plans judged by Grappler's estimate, which counts that Identity's
     # output as a second copy of the tensor (it forwards the buffer on a real executor).
@@ -87,8 +91,9 @@ class Plan:
 
     @property
     def changes(self) -> bool:
-        """Does applying the plan change the graph (swaps, recomputations, stacks on the host)?"""
-        return bool(self.swaps or self.recomputes or self.host_stacks)
+        """Does applying the plan change the graph (swaps, recomputations, stacks on the host,
+        serial loops)?"""
+        return bool(self.swaps or self.recomputes or self.host_stacks or self.serial_loops)
 
     @property
     def recompute_bytes(self) -> int:
@@ -98,6 +103,8 @@ class Plan:
         data = asdict(self)
         if not self.host_stacks:
             del data["host_stacks"]  # (plans without them read as before)
+        if not self.serial_loops:
+            del data["serial_loops"]
         if self.read_on_gpu:
             del data["read_on_gpu"]  # (the default: only plans judged by Grappler's estimate say false)
         return {"schema": PLAN_SCHEMA, "version": PLAN_VERSION, **data}
@@ -146,8 +153,12 @@ class Plan:
                                  trips=int(h["trips"]), gpu=str(h.get("gpu", "")))
                 for h in data.get("host_stacks", ())
             )
+            serial_loops = data.get("serial_loops", [])
+            if not isinstance(serial_loops, list) or not all(isinstance(f, str) and f for f in serial_loops):
+                raise ValueError("serial_loops (a list of loop frame names)")
             return cls(
-                recomputes=recomputes, host_stacks=host_stacks, read_on_gpu=bool(data.get("read_on_gpu", True)),
+                recomputes=recomputes, host_stacks=host_stacks, serial_loops=tuple(serial_loops),
+                read_on_gpu=bool(data.get("read_on_gpu", True)),
                 model=data["model"], graph_sha256=data["graph_sha256"], fetches=tuple(data["fetches"]),
                 batch_size=data.get("batch_size"), device=dict(data.get("device", {})),
                 strategy=data.get("strategy", "manual"), parameters=dict(data.get("parameters", {})),

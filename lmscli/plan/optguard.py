@@ -95,8 +95,9 @@ def digests(graph_def) -> tuple[dict, object]:
             else:
                 if node.op in _COMMUTATIVE and len(data) == 2:
                     data.sort()
+                # (a loop's parallel_iterations, which a plan sets to 1, changes no value)
                 attrs = sorted((k, v.SerializeToString(deterministic=True)) for k, v in node.attr.items()
-                               if not k.startswith("_"))
+                               if not k.startswith("_") and k != "parallel_iterations")
                 value = repr((node.op, attrs, data, None if data else _stable(name)))
             digest[name] = hashlib.sha256(value.encode()).hexdigest()
             state[name] = 2

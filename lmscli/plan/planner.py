@@ -37,6 +37,7 @@ from lmscli.plan.candidates import (COND_PRODUCERS, Candidate, Filters, absorbed
 from lmscli.device import Device
 from lmscli.errors import NoFitError
 from lmscli.plan.document import Plan, from_sim, graph_fingerprint, host_stacks_from, recompute_flops, recomputes_from_sim
+from lmscli.model.loops import parallel_loops
 from lmscli.model.schedule import Schedule
 from lmscli.model.simulator import SimResult, SimSwap, SwapIn, simulate, transfer_us
 from lmscli.timing import timed
@@ -70,6 +71,7 @@ class TuneOptions:
     tflms: TflmsParams | None = None  # given: skip the search and apply these parameters
     sync_mode: int = 0  # tflms search: the sync_mode to start from
     forbidden: frozenset = frozenset()  # tensors ("node:output") never to swap (the optimizer guard's)
+    serial_loops: bool = True  # a plan runs loops with parallel iterations one iteration at a time
 
 
 @dataclass(frozen=True)
@@ -1078,6 +1080,8 @@ def _tune_on(prepared: Prepared, device: Device, options: TuneOptions, margin: i
         host_stacks=host_stacks_from(host_stacks, prepared.view, sched),
         read_on_gpu=sched.memory_model == "executor",
     )
+    if plan.changes and options.serial_loops:
+        plan = replace(plan, serial_loops=parallel_loops(prepared.view, sched.names))
     return TuneResult(plan, baseline, result, budget, necessary, tuple(log), time_limited=limited)
 
 
@@ -1182,7 +1186,8 @@ def _tune_each_gpu(prepared: Prepared, device: Device, options: TuneOptions, mar
     plan = replace(worst.plan, parameters=params, predicted=pred,
                    swaps=tuple(swap for p in plans for swap in p.swaps),
                    recomputes=tuple(r for p in plans for r in p.recomputes),
-                   host_stacks=tuple(h for p in plans for h in p.host_stacks))
+                   host_stacks=tuple(h for p in plans for h in p.host_stacks),
+                   serial_loops=tuple(sorted({f for p in plans for f in p.serial_loops})))
     return TuneResult(plan, worst.baseline, worst.result, worst.budget, any(r.necessary for _, r in results),
                       tuple(line for _, r in results for line in r.log), tuple(results),
                       time_limited=any(r.time_limited for _, r in results), device=worst_name)

@@ -179,6 +179,9 @@ def _plan(doc: dict, svg: str | None) -> str:
         memory_rows.append(("loop stacks on the host", "-", f"{len(plan['host_stacks'])} "
                             f"({_size(sum(h['bytes'] for h in plan['host_stacks']))} kept off the GPU, "
                             f"{_size(pred.get('stack_copy_bytes', 0) // 2)} copied each way)", "-"))
+    if plan.get("serial_loops"):
+        memory_rows.append(("serial loops", "-", f"{len(plan['serial_loops'])} while loop(s) run one iteration at "
+                            "a time (parallel_iterations 1)", "-"))
     if t0 is not None and t1 is not None:
         memory_rows.append(("step time", _ms(t0), _ms(t1), _pct(pred.get("overhead", 0.0))))
     parts += ["<h2>Memory before and after</h2>",
