@@ -538,6 +538,19 @@ def test_a_plan_runs_loops_with_parallel_iterations_one_at_a_time(tmp_path):
     after = steps.run_steps(new_graph, model.fetches, steps=2)
     assert steps.first_difference(before, after) is None
 
+    # A graph that fits as lms counts it still runs its loops one iteration at a time, unless
+    # even every loop's iterations all held at once would fit.
+    from lmscli.model.loops import overlap_bytes
+
+    peak = api.analyze(prepared).peak_bytes
+    overlap = overlap_bytes(prepared.view, prepared.schedule)
+    assert overlap > 0
+    roomy = api.make_device(gpu_mem=int(peak / 0.9) + (1 << 20))
+    fits = api.tune(prepared, roomy)
+    assert fits.necessary and fits.plan.serial_loops == tuple(frames) and not fits.plan.edits
+    assert not api.tune(prepared, roomy, api.TuneOptions(serial_loops=False)).necessary
+    assert not api.tune(prepared, api.make_device(gpu_mem=int((peak + overlap) / 0.9) + (1 << 20))).necessary
+
     data = plan.to_dict()
     with pytest.raises(PlanError, match="serial_loops"):
         Plan.from_dict({**data, "serial_loops": "rnn/while"})

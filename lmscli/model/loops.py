@@ -217,6 +217,33 @@ def parallel_loops(view: GraphView, names) -> tuple[str, ...]:
                          and view.frame_names[i] and _parallel_iterations(view, i) > 1}))
 
 
+def overlap_bytes(view: GraphView, schedule) -> int:
+    """At most what iterations running at once add to a step's peak (``schedule`` counts one iteration
+    of each loop in flight): for each loop with ``parallel_iterations`` P above 1, P - 1 more
+    iterations (no more than its trip count) each holding every tensor one iteration makes, over
+    all such loops. An upper bound (an iteration's tensors are never all live at once); 0 when
+    every loop runs one iteration at a time."""
+    from lmscli.model.schedule import STORAGE_OUTPUT
+
+    parallel: dict[str, int] = {}
+    for i in range(view.size):
+        if view.ops[i] in ("Enter", "RefEnter") and view.frames[i]:
+            parallel[view.frames[i]] = max(parallel.get(view.frames[i], 1), _parallel_iterations(view, i))
+    if all(p <= 1 for p in parallel.values()):
+        return 0
+    per_iteration: dict[str, int] = {}
+    for t in schedule.tensors:
+        frame = view.frames[schedule.nodes[t.producer]]
+        if frame and t.output != STORAGE_OUTPUT:
+            per_iteration[frame] = per_iteration.get(frame, 0) + t.num_bytes
+    counted = trip_counts(view)
+    total = 0
+    for frame, p in parallel.items():
+        trips = counted[frame].trips if frame in counted and counted[frame].trips else p
+        total += (min(p, trips) - 1) * per_iteration.get(frame, 0)
+    return total
+
+
 def _parallel_iterations(view: GraphView, enter: int) -> int:
     """An ``Enter``'s ``parallel_iterations`` (1 when it has none)."""
     attr = view.node_defs[enter].attr

@@ -37,7 +37,7 @@ from lmscli.plan.candidates import (COND_PRODUCERS, Candidate, Filters, absorbed
 from lmscli.device import Device
 from lmscli.errors import NoFitError
 from lmscli.plan.document import Plan, from_sim, graph_fingerprint, host_stacks_from, recompute_flops, recomputes_from_sim
-from lmscli.model.loops import parallel_loops
+from lmscli.model.loops import overlap_bytes, parallel_loops
 from lmscli.model.schedule import Schedule
 from lmscli.model.simulator import SimResult, SimSwap, SwapIn, simulate, transfer_us
 from lmscli.timing import timed
@@ -1017,6 +1017,7 @@ def _tune_on(prepared: Prepared, device: Device, options: TuneOptions, margin: i
     swaps: list[SimSwap] = []
     necessary = baseline.peak_bytes > budget - margin
     limited = False
+    serial = False  # a plan of serial loops alone (see below)
     if host_stacks:
         log.append(f"[LMS] [Simulator] keeping {sum(len(h.stacks) for h in host_stacks)} gradient stack(s) of while "
                    "loops on the host "
@@ -1029,11 +1030,23 @@ def _tune_on(prepared: Prepared, device: Device, options: TuneOptions, margin: i
         params = options.tflms.__dict__.copy()
         necessary = True
     elif not necessary:
-        if not host_stacks:
-            log.append("[LMS] [Simulator] LMS is not necessary: the graph fits without swapping "
-                       f"({format_size(baseline.peak_bytes)} <= {format_size(budget)})")
+        overlap = overlap_bytes(prepared.view, sched) if options.serial_loops else 0
         result = baseline
         necessary = bool(host_stacks)
+        if overlap and baseline.peak_bytes + overlap > budget - margin:
+            # It fits as the model counts its loops, one iteration in flight; iterations running
+            # at once could hold more: run them one at a time, and the prediction holds.
+            serial = True
+            necessary = True
+            log.append("[LMS] [Simulator] the graph fits as lms counts its while loops, one iteration at a time "
+                       f"({format_size(baseline.peak_bytes)} <= {format_size(budget)}); iterations running at once "
+                       f"(parallel_iterations) could hold up to {format_size(overlap)} more, so the plan runs them "
+                       "one at a time (--keep-loop-parallelism: leave them)")
+        elif not host_stacks:
+            log.append("[LMS] [Simulator] LMS is not necessary: the graph fits without swapping "
+                       f"({format_size(baseline.peak_bytes)} <= {format_size(budget)})"
+                       + (f", and with up to {format_size(overlap)} more for loop iterations running at once"
+                          if overlap else ""))
     else:
         bound = binding(prepared, set(ctx.cands), baseline)
         lb = bound.bytes
@@ -1080,7 +1093,7 @@ def _tune_on(prepared: Prepared, device: Device, options: TuneOptions, margin: i
         host_stacks=host_stacks_from(host_stacks, prepared.view, sched),
         read_on_gpu=sched.memory_model == "executor",
     )
-    if plan.changes and options.serial_loops:
+    if (plan.changes or serial) and options.serial_loops:
         plan = replace(plan, serial_loops=parallel_loops(prepared.view, sched.names))
     return TuneResult(plan, baseline, result, budget, necessary, tuple(log), time_limited=limited)
 
