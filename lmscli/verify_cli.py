@@ -117,6 +117,15 @@ def _limit(text: str, predicted_bytes: int) -> int:
     return gpu_mem_from_text(text, predicted_bytes if text.strip().endswith("%") else None)
 
 
+def _made_for_stand_in(graph_def) -> bool:
+    """Was this rewrite planned with ``--stand-in``? Only stand-in plans make an op of the model wait
+    until a swap-in has landed (a control input from an ``-lms-landed-`` node)."""
+    from lmscli.emit.rewriter import is_lms_node
+
+    return any(text.startswith("^") and "-lms-landed-" in text
+               for node in graph_def.node if not is_lms_node(node.name) for text in node.input)
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("original", type=click.Path())
 @click.argument("rewritten", type=click.Path())
@@ -208,7 +217,10 @@ def _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, o
         from lmscli.units import format_size
 
         hint = ""
-        if prediction_b.predicted_standin_bytes > proof.limit_bytes:
+        if _made_for_stand_in(model_b.meta_graph.graph_def):
+            hint = (" (the plan was made for the stand-in, whose runs near a limit vary with the executor's order: "
+                    "make it at a slightly larger --gpu-mem, or with more --reserve, to leave room for that)")
+        elif prediction_b.predicted_standin_bytes > proof.limit_bytes:
             hint = (f" (predicted for the stand-in: {format_size(prediction_b.predicted_standin_bytes)}, in the CPU "
                     "executor's op order, where a swap-out leaves only when an op waits for it, and with its CPU "
                     "kernels' scratch; a plan for a GPU does not plan for those: make the plan to prove with "

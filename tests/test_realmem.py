@@ -398,3 +398,43 @@ def test_measure_explains_a_varying_need():
         _render_needs(console, [Need("a.meta", 22 * MIB, ((22 * MIB, True),), varies, 1.0, prediction)])
         text = console.export_text()
         assert ("(varies) = a smaller limit fitted once" in text) is varies
+
+
+def test_a_no_plan_answer_after_turned_down_runs_names_them_and_the_bound(samples):
+    """When the stand-in's runs turned down every plan and planning for less then found none, the
+    answer is the runs' verdict (QA: only the last planning target's failure, below the lower
+    bound, was given), and like every no-plan answer it carries a lower bound and an op (QA: both
+    null in the JSON document)."""
+    from lmscli.errors import NoFitError
+    from lmscli.plan.tuning import _RunSearch, _with_bound
+
+    search = _RunSearch(budget=30 * MIB, margin=0)
+    search.rounds, search.note = 3, "out of memory under 36 MiB while running the step: allocating 1 MiB for x failed"
+    search.oom_node = "x"
+    planning = NoFitError("no swap or recompute plan found under 25 MiB: at y the strategy still needs 40 MiB; "
+                          "try a larger --gpu-mem or a smaller batch", bound_bytes=20 * MIB, binding_op="y")
+    exc = search.turned_down(planning)
+    text = str(exc)
+    assert text.startswith("no plan made held on the stand-in after 3 round(s); the last one: out of memory")
+    assert "planning for less, to make room, found nothing (no swap or recompute plan found under 25 MiB" in text
+    assert text.count("; try ") == 1
+    assert (exc.bound_bytes, exc.binding_op, exc.budget_bytes) == (20 * MIB, "x", 30 * MIB)
+    prepared = api.prepare(api.load(str(samples / "mlp.meta")))
+    bare = _with_bound(NoFitError("turned down"), prepared)
+    bound = api.analyze(prepared)
+    assert (bare.bound_bytes, bare.binding_op) == (bound.lower_bound_bytes, bound.lower_bound_op)
+
+
+def test_verify_knows_a_rewrite_planned_for_the_stand_in():
+    """Only stand-in plans make a model op wait until a swap-in has landed; verify's advice on an
+    out-of-memory rewrite depends on it (QA: it advised `lms rewrite --stand-in` for a plan made so)."""
+    from tensorflow.core.framework import graph_pb2
+
+    from lmscli.verify_cli import _made_for_stand_in
+
+    graph = graph_pb2.GraphDef()
+    graph.node.add(name="t-lms-landed-0-0", op="Identity", input=["t-lms-swapin-0-0"])
+    graph.node.add(name="b", op="Relu", input=["t-lms-landed-0-0"])
+    assert not _made_for_stand_in(graph)
+    graph.node.add(name="c", op="Relu", input=["a", "^t-lms-landed-0-0"])
+    assert _made_for_stand_in(graph)

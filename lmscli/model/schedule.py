@@ -145,7 +145,7 @@ class Schedule:
         """``node:output``; for what a loop keeps across iterations, the op that keeps it."""
         t = self.tensors[tid]
         if t.output == STORAGE_OUTPUT:
-            least = ", if every iteration takes the smaller branch" if t.least_bytes is not None else ""
+            least = ", as if every iteration took its branch" if t.least_bytes is not None else ""
             return f"{self.names[t.producer]} (kept across loop iterations{least})"
         return f"{self.names[t.producer]}:{t.output}"
 

@@ -1039,12 +1039,16 @@ def _tune_on(prepared: Prepared, device: Device, options: TuneOptions, margin: i
             serial = True
             necessary = True
             log.append("[LMS] [Simulator] the graph fits as lms counts its while loops, one iteration at a time "
-                       f"({format_size(baseline.peak_bytes)} <= {format_size(budget)}); iterations running at once "
+                       f"({format_size(baseline.peak_bytes)} <= {format_size(budget - margin)}); iterations running at once "
                        f"(parallel_iterations) could hold up to {format_size(overlap)} more, so the plan runs them "
                        "one at a time (--keep-loop-parallelism: leave them)")
         elif not host_stacks:
+            target = (f"{format_size(budget - margin)}: the budget {format_size(budget)} "
+                      + (f"less the {format_size(margin)} the graph TensorFlow runs needs more" if margin > 0 else
+                         f"plus the {format_size(-margin)} the graph TensorFlow runs needs less")
+                      + " than the graph as written" if margin else format_size(budget))
             log.append("[LMS] [Simulator] LMS is not necessary: the graph fits without swapping "
-                       f"({format_size(baseline.peak_bytes)} <= {format_size(budget)})"
+                       f"({format_size(baseline.peak_bytes)} <= {target})"
                        + (f", and with up to {format_size(overlap)} more for loop iterations running at once"
                           if overlap else ""))
     else:

@@ -36,7 +36,10 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
     """Plan with the simulator, then check the plan twice, replanning until both agree (see
     :func:`checked_tune`). When the simulator finds no plan, TFLMS's parameter sets are tried
     with Grappler's estimate as the judge (:func:`reordering_fallback`)."""
-    result = _tune(prepared, device, options, check, host_device, guard)
+    try:
+        result = _tune(prepared, device, options, check, host_device, guard)
+    except NoFitError as exc:
+        raise _with_bound(exc, prepared) from None
     if options.tflms is None and not result.fits:
         # A plan the judge (or the simulator, where no judge runs) found over the budget is no
         # plan: exit 3, never a written graph that runs out of memory.
@@ -45,6 +48,20 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
         raise NoFitError(f"no plan found fits under {format_size(device.budget)}: the best one found needs "
                          f"{format_size(need)}; try a larger --gpu-mem", budget_bytes=device.budget)
     return result
+
+
+def _with_bound(exc: NoFitError, prepared: Prepared) -> NoFitError:
+    """``exc`` with the step's lower bound (and, when it names none, the op that sets it) filled in
+    where it has none: every no-plan answer carries them (QA: a plan the stand-in's runs turned
+    down gave ``lower_bound_bytes: null``)."""
+    if exc.bound_bytes is not None:
+        return exc
+    from lmscli.analysis import analyze
+
+    found = analyze(prepared)
+    exc.bound_bytes = found.lower_bound_bytes
+    exc.binding_op = exc.binding_op or found.lower_bound_op
+    return exc
 
 
 def _tune(prepared: Prepared, device: Device, options: TuneOptions, check: bool, host_device: str,
@@ -292,6 +309,7 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
                                            "peak_in_use_bytes": verdict.peak_bytes, "failure": verdict.message,
                                            "headroom_limit_bytes": verdict.headroom_limit_bytes}
                     search.note = verdict.message
+                    search.oom_node = verdict.oom_node if not verdict.fits else None
                 result = replace(result, plan=replace(result.plan, predicted=figures))
                 step = search.judged(result, peak)
                 timing.step(f"round {rounds}: the graph TensorFlow runs needs {format_size(peak)} "
@@ -311,11 +329,13 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
                         result = plan_tune(prepared, device, options, margin=dict(margins))
                         replanned = True
                         break
-                    except NoFitError:
+                    except NoFitError as exc:
                         step = search.backoff()  # planned for too little: try half as far
                         if step is None and not search.found:
                             step = search.ladder()  # ... else a little less than the budget
                             if step is None:
+                                if search.note:  # the stand-in's runs turned the plans down: say so
+                                    raise search.turned_down(exc) from None
                                 raise
                 if replanned:
                     continue
@@ -395,6 +415,7 @@ class _RunSearch:
         self.last = None
         self.done = False  # settled on the best plan found
         self.note = None  # what the stand-in said of the last plan it ran
+        self.oom_node = None  # ... and the op whose allocation failed there, if one did
         self.previous = margin  # the margin before the last step (see backoff)
         self.timed_out = False  # settled because --time-limit passed
         self.small = [budget * k // 100 for k in SMALL_MARGINS] if ladder else []  # see ladder
@@ -446,6 +467,18 @@ class _RunSearch:
             return margin
         return None
 
+    def turned_down(self, planning: NoFitError) -> NoFitError:
+        """Why nothing fits when the stand-in's runs turned down every plan made and planning for
+        less then found none: the runs' verdict first (QA: the answer gave only the last, most
+        tightened planning target, below the lower bound, with no word of the runs)."""
+        why = str(planning).rsplit("; try ", 1)[0]  # (its advice is replaced by this one's)
+        exc = NoFitError(f"no plan made held on the stand-in after {self.rounds} round(s); the last one: {self.note}; "
+                         f"planning for less, to make room, found nothing ({why}); try a slightly larger "
+                         "--gpu-mem or leave more room (--reserve)", bound_bytes=planning.bound_bytes,
+                         binding_op=self.oom_node or planning.binding_op, budget_bytes=self.budget)
+        exc.log = planning.log
+        return exc
+
     def best(self):
         if not self.found:
             peak = self.last.plan.predicted.get("run_peak_bytes")
@@ -453,7 +486,7 @@ class _RunSearch:
                 raise NoFitError(f"no plan made held on the stand-in after {self.rounds} round(s); the last one: "
                                  f"{self.note}; try a slightly larger --gpu-mem or leave more room (--reserve) "
                                  "(near the limit, runs on the stand-in vary, so another tune may find a plan)",
-                                 budget_bytes=self.budget)
+                                 budget_bytes=self.budget, binding_op=self.oom_node)
             raise NoFitError(f"planned for the graph as written, but the graph TensorFlow runs after its optimizations "
                              f"still needs {format_size(peak)} > {format_size(self.budget)} after {self.rounds} round(s); try a "
                              "slightly larger --gpu-mem", budget_bytes=self.budget)

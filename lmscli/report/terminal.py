@@ -192,7 +192,8 @@ def render_tune(console: Console, result, details: dict | None = None) -> None:
     real = pred.get("stand_in")
     if real:  # judged by real runs on the stand-in
         t.add_row("judged on the stand-in", _stand_in_line(real))
-        t.add_row("predicted peak with plan", f"[bold]{format_size(pred['peak_bytes'])}[/] (as written)")
+        t.add_row("predicted peak with plan", f"[bold]{format_size(pred['peak_bytes'])}[/] (the graph as written, in "
+                  "the original's observed order: what the plan was made with; the runs above decide)")
     elif run is not None:  # the executor judge: the graph the Session runs, after Grappler's optimizations
         t.add_row("predicted peak with plan", f"[bold]{format_size(run)}[/] ({verdict}; the graph TensorFlow runs, "
                   f"optimized; {format_size(pred['peak_bytes'])} as written)")
