@@ -119,10 +119,10 @@ def _limit(text: str, predicted_bytes: int) -> int:
 
 def _made_for_stand_in(graph_def) -> bool:
     """Was this rewrite planned with ``--stand-in``? Only stand-in plans make an op of the model wait
-    until a swap-in has landed (a control input from an ``-lms-landed-`` node)."""
-    from lmscli.emit.rewriter import is_lms_node
+    until a swap-in has landed (a control input from a :data:`lmscli.emit.rewriter.LANDED` node)."""
+    from lmscli.emit.rewriter import LANDED, is_lms_node
 
-    return any(text.startswith("^") and "-lms-landed-" in text
+    return any(text.startswith("^") and LANDED in text
                for node in graph_def.node if not is_lms_node(node.name) for text in node.input)
 
 

@@ -62,6 +62,7 @@ from lmscli.timing import timed
 SCOPE = "lms/"  # where lms 0.x put its nodes (still recognised: has_lms_nodes, is_lms_node)
 MARK = "-lms-"  # an added node is named after the node it stands beside: P-lms-swapin-0-0
 RECOMPUTE = MARK + "recompute-"
+LANDED = MARK + "landed-"  # the Identity a swap-in is read through on the GPU (a landing op waits for it)
 DEFAULT_HOST_DEVICE = "/device:CPU:0"
 
 
