@@ -467,14 +467,17 @@ class _RunSearch:
             return margin
         return None
 
+    def _verdict(self) -> str:
+        """What the stand-in's runs said of the plans made (none held)."""
+        return f"no plan made held on the stand-in after {self.rounds} round(s); the last one: {self.note}"
+
     def turned_down(self, planning: NoFitError) -> NoFitError:
         """Why nothing fits when the stand-in's runs turned down every plan made and planning for
         less then found none: the runs' verdict first (QA: the answer gave only the last, most
         tightened planning target, below the lower bound, with no word of the runs)."""
         why = str(planning).rsplit("; try ", 1)[0]  # (its advice is replaced by this one's)
-        exc = NoFitError(f"no plan made held on the stand-in after {self.rounds} round(s); the last one: {self.note}; "
-                         f"planning for less, to make room, found nothing ({why}); try a slightly larger "
-                         "--gpu-mem or leave more room (--reserve)", bound_bytes=planning.bound_bytes,
+        exc = NoFitError(f"{self._verdict()}; planning for less, to make room, found nothing ({why}); try a "
+                         "slightly larger --gpu-mem or leave more room (--reserve)", bound_bytes=planning.bound_bytes,
                          binding_op=self.oom_node or planning.binding_op, budget_bytes=self.budget)
         exc.log = planning.log
         return exc
@@ -483,8 +486,7 @@ class _RunSearch:
         if not self.found:
             peak = self.last.plan.predicted.get("run_peak_bytes")
             if self.note:
-                raise NoFitError(f"no plan made held on the stand-in after {self.rounds} round(s); the last one: "
-                                 f"{self.note}; try a slightly larger --gpu-mem or leave more room (--reserve) "
+                raise NoFitError(f"{self._verdict()}; try a slightly larger --gpu-mem or leave more room (--reserve) "
                                  "(near the limit, runs on the stand-in vary, so another tune may find a plan)",
                                  budget_bytes=self.budget, binding_op=self.oom_node)
             raise NoFitError(f"planned for the graph as written, but the graph TensorFlow runs after its optimizations "
