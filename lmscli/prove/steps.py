@@ -84,6 +84,19 @@ def map_gpu_ops(meta_graph):
     return meta, tuple(mapped)
 
 
+def on_one_device(meta_graph):
+    """A copy of ``meta_graph`` whose GPU-placed nodes all run on the first GPU (their device
+    cleared), as the stand-in runs every GPU's ops in its one process; CPU-placed nodes stay."""
+    from lmscli.graph.graphview import gpu_key
+
+    meta = type(meta_graph)()
+    meta.CopyFrom(meta_graph)
+    for node in meta.graph_def.node:
+        if node.device and gpu_key(node.device) is not None:
+            node.device = ""
+    return meta
+
+
 def _retype(node, op: str) -> None:
     keep = {k: node.attr[k] for k in ("T", "_output_shapes") if k in node.attr}
     node.op = op
