@@ -208,6 +208,45 @@ def test_loops_are_counted_with_their_trip_counts(samples):
     assert "8 iterations" in notes and "Less(counter, 8)" in notes
 
 
+def test_a_scattered_tensor_array_is_one_allocation_per_element(samples):
+    """TensorArrayScatterV3 copies each element of its value into a buffer of its own (seen on
+    the stand-in: 128 allocations of 16 KiB for a [128, 64, 64] input), and the allocator model
+    places them so."""
+    from lmscli.model import loops
+
+    prepared = api.prepare(api.load(str(samples / "stack_rnn.meta")))
+    arrays = [s for s in loops.storage(prepared.view) if s.kind == "tensor array"]
+    assert [(s.trips, s.num_bytes) for s in arrays] == [(128, 2 << 20)]
+
+
+def test_a_fed_value_takes_memory_where_it_reached_the_device(samples):
+    """In an observed order, a placeholder's value arrives where the device received it (the
+    stand-in's trace names that transfer ``RecvTensor``; lms calls it ``_recv_NAME_0``), not at
+    the step's start."""
+    from tensorflow.core.framework import step_stats_pb2
+
+    from lmscli.model.schedule import fed_at_receive
+    from lmscli.prove.scratch import from_step_stats
+
+    stats = step_stats_pb2.StepStats()
+    gpu = stats.dev_stats.add(device="/job:gpu/replica:0/task:0/device:CPU:0")
+    host = stats.dev_stats.add(device="/job:host/replica:0/task:0/device:CPU:0")
+    for start, dev, name, label in [
+            (1, gpu, "rnn/loop/MatMul_1", ""),
+            (2, host, "RecvTensor", "[64KB] edge_98_rnn/loop/Switch_1 from /job:gpu/replica:0/task:0/device:CPU:0 "
+                                    "to /job:host/replica:0/task:0/device:CPU:0"),
+            (3, gpu, "RecvTensor", "[2.0MB] [4.5Gb/s] edge_253__recv_inputs_0 from /job:host/replica:0/task:0/"
+                                   "device:CPU:0 to /job:gpu/replica:0/task:0/device:CPU:0"),
+            (4, gpu, "rnn/transpose", "")]:
+        dev.node_stats.add(node_name=name, all_start_micros=start, timeline_label=label)
+    order = from_step_stats(stats).order
+    assert order == ("rnn/loop/MatMul_1", "RecvTensor", "_recv_inputs_0", "rnn/transpose")
+    view = api.prepare(api.load(str(samples / "stack_rnn.meta"))).view
+    rank = {view.index["rnn/loop/MatMul_1"]: 0, view.index["rnn/transpose"]: 3}
+    assert fed_at_receive(view, order, rank) == {view.index["inputs"]: 2}
+    assert fed_at_receive(view, order, {**rank, view.index["inputs"]: 0}) == {}  # seen itself: kept
+
+
 def test_a_recurrent_nets_real_need_is_predicted_with_its_stacks(tmp_path):
     """Real memory: one step of a dynamic_rnn LSTM on the stand-in GPU needs what its stacks and
     TensorArrays hold over 48 steps; counted for one iteration (as before), the prediction was a

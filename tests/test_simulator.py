@@ -225,6 +225,35 @@ def test_executor_variable_reads_are_the_variable():
     assert r.activation_peak_bytes == 256 and r.peak_bytes == 4096 + 256
 
 
+def test_executor_a_forwarded_constant_is_the_constant():
+    """A constant is resident (counted in constant_bytes) and no tensor of the schedule: a
+    forwarding op reading it, as a v1 loop's gradient accumulator ``Const (zeros) -> Enter``,
+    hands on its buffer and allocates nothing."""
+    from dataclasses import replace
+
+    s = executor("ab", [(0, 4096, [1]), (1, 256, [])], op_types=["Enter", "AddV2"])
+    assert simulate(s).activation_peak_bytes == 4096 + 256  # no constant read: its own buffer
+    s = replace(s, reads_constant=(True, False)).with_memory_model("executor")
+    assert s.shares[0] == -2 and simulate(s).activation_peak_bytes == 256
+    s = replace(s, ops=("Tanh", "AddV2")).with_memory_model("executor")
+    assert s.shares[0] == -1  # a kernel reading a constant makes a buffer of its own
+
+
+def test_a_one_unit_request_finds_a_crumb_when_the_region_is_full():
+    """A region filled exactly (a TensorArray's elements in the hole its input left) still takes
+    a 4-byte flow: real regions keep 256-byte chunks free that this model packs away. Anything
+    larger finds no room."""
+    from lmscli.model.memmodel import fits_in_region
+
+    mib = 1 << 20
+    full = [(0, 0, 1, 0, 4 * mib)]
+    assert fits_in_region(full + [(1, 0, 1, 1, 4)], 4 * mib)
+    assert not fits_in_region(full + [(1, 0, 1, 1, 257)], 4 * mib)
+    # placed as a crumb, it is freed without touching the region
+    assert fits_in_region(full + [(1, 0, 1, 1, 4), (2, 0, 1, 1, -4), (3, 0, 1, 0, -4 * mib), (4, 0, 1, 2, 4 * mib)],
+                          4 * mib)
+
+
 def test_allocator_high_water_counts_fragmentation():
     from lmscli.model.memmodel import allocator_high_water
 

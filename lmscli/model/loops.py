@@ -127,9 +127,11 @@ def storage(view: GraphView, loops: dict[str, Loop] | None = None) -> tuple[Stor
                 continue
             size = _element_bytes(view, write, 2)
             if view.ops[write] == "TensorArrayScatterV3" and not view.frames[write]:
-                # A whole tensor split into the array's elements before a loop reads them one by one.
+                # A whole tensor split into the array's elements before a loop reads them one by one:
+                # the kernel copies each element into a buffer of its own.
                 if size:
-                    found.append(Storage(write, tuple(sorted(reads)), size, "tensor array"))
+                    found.append(Storage(write, tuple(sorted(reads)), size, "tensor array",
+                                         _scattered_elements(view, write)))
                 continue
             trips = total_trips(view, view.frames[write], loops)
             if size and trips and trips > 1 and view.ops[write] == "TensorArrayWriteV3":
@@ -342,6 +344,14 @@ def _carried(view: GraphView, node: int, output: int) -> tuple[int, int] | None:
                 value, out = view.data_inputs[value][0]
             return value, out
     return None
+
+
+def _scattered_elements(view: GraphView, scatter: int) -> int:
+    """Elements a ``TensorArrayScatterV3`` writes: its value's first dimension (1 when unknown)."""
+    inputs = view.data_inputs[scatter]
+    info = view.tensor(*inputs[2]) if len(inputs) > 2 else None
+    first = info.shape[0] if info is not None and info.shape else None
+    return first if isinstance(first, int) and first > 0 else 1
 
 
 def _element_bytes(view: GraphView, node: int, port: int) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import re
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -24,6 +25,7 @@ from lmscli.graph.graphview import DEFAULT_GPU, VARIABLE_OPS, GraphView
 from lmscli.timing import timed
 
 CONSTANT_OPS = frozenset({"Const", "HostConst"})
+PLACEHOLDER_OPS = frozenset({"Placeholder", "PlaceholderWithDefault"})
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,9 @@ class Schedule:
     # and per stack (first push, last pop, bytes) of host memory.
     stack_copies: tuple[tuple[int, int, int], ...] = ()
     host_held: tuple[tuple[int, int, int], ...] = ()
+    # Per position, the op's first input is a constant of this GPU (counted in constant_bytes, not
+    # a tensor): a forwarding op hands on the constant's buffer.
+    reads_constant: tuple[bool, ...] = ()
 
     def with_scratch(self, by_name: dict) -> "Schedule":
         """The same schedule with kernel scratch bytes per op name (e.g. measured on the stand-in)."""
@@ -84,7 +89,7 @@ class Schedule:
             raise ValueError(f"unknown memory model {memory_model!r}")
         shares, in_place = ((), ())
         if memory_model == "executor":
-            shares, in_place = memmodel.sharing(self.ops, self.tensors, self.inputs, self.on_gpu)
+            shares, in_place = memmodel.sharing(self.ops, self.tensors, self.inputs, self.on_gpu, self.reads_constant)
         return replace(self, memory_model=memory_model, shares=shares, in_place=in_place)
 
     def without(self, names) -> "Schedule":
@@ -123,7 +128,8 @@ class Schedule:
         pick = lambda values: tuple(values[pos] for pos in kept) if values else values  # noqa: E731
         pruned = replace(self, nodes=pick(self.nodes), names=pick(self.names), ops=pick(self.ops),
                          levels=pick(self.levels), compute=pick(self.compute), on_gpu=pick(self.on_gpu),
-                         tensors=tuple(tensors), inputs=inputs, scratch=pick(self.scratch), shares=(), in_place=())
+                         tensors=tuple(tensors), inputs=inputs, scratch=pick(self.scratch), shares=(), in_place=(),
+                         reads_constant=pick(self.reads_constant))
         return pruned.with_memory_model(self.memory_model)
 
     @property
@@ -279,6 +285,30 @@ def _exit_waits(view: GraphView, active: set[int]) -> dict[int, tuple[int, ...]]
     return {i: tuple(nexts[view.frames[i]]) for i in exits if view.frames[i] in nexts}
 
 
+_FED = re.compile(r"^_recv_(.+)_0$")  # an observed order's arrival of a fed value (lmscli.prove.scratch)
+
+
+def fed_at_receive(view: GraphView, order, rank: dict[int, int]) -> dict[int, int]:
+    """Per placeholder a real run feeds, its rank in the observed ``order``: where its value
+    reached the device (``_recv_NAME_0``), not the step's start.
+
+    A fed value takes memory on the device (a GPU, or the stand-in, from the session's master on
+    the host) only when it arrives there, as the executor gets to its receive. A tanh RNN's 2 MiB
+    input arrived just before its first reader, into a hole above what the loop had made; placed
+    first, below that, the step was predicted to need 8 MiB, where the stand-in needed 5-6::
+
+        order: ..., rnn/loop/MatMul_1, _recv_inputs_0, rnn/transpose, ...
+        rank:  inputs -> the rank of _recv_inputs_0
+    """
+    found: dict[int, int] = {}
+    for r, name in enumerate(order):
+        match = _FED.match(name)
+        node = view.index.get(match.group(1)) if match else None
+        if node is not None and node not in rank and node not in found and view.ops[node] in PLACEHOLDER_OPS:
+            found[node] = r
+    return found
+
+
 @timed("schedule")
 def build_schedules(view: GraphView, fetches, flops: float = 15.7e12, mem_bandwidth: float = 900e9,
                     trace=None, memory_model: str = "executor") -> tuple[Schedule, ...]:
@@ -306,6 +336,7 @@ def build_schedules(view: GraphView, fetches, flops: float = 15.7e12, mem_bandwi
     if trace is not None:
         rank = {view.index[name]: r for r, name in enumerate(trace.order) if name in view.index}
         if trace.unmatched_first:
+            rank.update(fed_at_receive(view, trace.order, rank))
             rank = {i: rank.get(i, -1) for i in active}
     order = first_ready_order(view, active, cost, rank)
     if memory_model == "executor":
@@ -438,6 +469,9 @@ def _describe(view: GraphView, order: list[int], cost: dict, on_gpu: list[bool],
             for reader in readers:
                 inputs[reader].append(tid)
     compute = tuple(cost[i] if on_gpu[pos] else 0 for pos, i in enumerate(order))
+    first_inputs = [view.data_inputs[i][0][0] if view.data_inputs[i] else -1 for i in order]
+    reads_constant = tuple(on_gpu[pos] and src >= 0 and view.ops[src] in CONSTANT_OPS and src in position
+                           and on_gpu[position[src]] for pos, src in enumerate(first_inputs))
     return Schedule(
         nodes=tuple(order),
         names=tuple(view.names[i] for i in order),
@@ -450,4 +484,5 @@ def _describe(view: GraphView, order: list[int], cost: dict, on_gpu: list[bool],
         variable_bytes=var_bytes,
         constant_bytes=const_bytes,
         device=device,
+        reads_constant=reads_constant if any(reads_constant) else (),
     )

@@ -20,6 +20,7 @@ process as they are.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 
@@ -37,6 +38,18 @@ class Observation:
         return Observation({**other.scratch, **self.scratch}, self.order, self.micros)
 
 
+_FED = re.compile(r" edge_\d+_(_recv_\S+) from \S+ to (\S+)")  # a RecvTensor's label for a fed value
+
+
+def _arrival(node, device: str) -> str | None:
+    """``_recv_NAME_0`` for the transfer that brought a fed value to ``device`` (a step stat named
+    ``RecvTensor``), the name the session's master gave the feed; None for any other stat."""
+    if node.node_name != "RecvTensor":
+        return None
+    match = _FED.search(node.timeline_label)
+    return match.group(1) if match and match.group(2) == device else None
+
+
 def from_step_stats(step_stats, device_prefix: str = "") -> Observation:
     """The observation in a traced step's ``StepStats``, for the devices whose name starts with
     ``device_prefix`` (all by default)."""
@@ -47,7 +60,7 @@ def from_step_stats(step_stats, device_prefix: str = "") -> Observation:
         if not dev.device.startswith(device_prefix):
             continue
         for node in dev.node_stats:
-            started.append((node.all_start_micros, node.node_name))
+            started.append((node.all_start_micros, _arrival(node, dev.device) or node.node_name))
             micros[node.node_name] = max(1, int(node.all_end_rel_micros))
             for mem in node.memory:
                 held = mem.peak_bytes - mem.live_bytes
