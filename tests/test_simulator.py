@@ -243,15 +243,31 @@ def test_a_one_unit_request_finds_a_crumb_when_the_region_is_full():
     """A region filled exactly (a TensorArray's elements in the hole its input left) still takes
     a 4-byte flow: real regions keep 256-byte chunks free that this model packs away. Anything
     larger finds no room."""
-    from lmscli.model.memmodel import fits_in_region
+    from lmscli.model.memmodel import RUNTIME_SLACK, fits_in_region
 
     mib = 1 << 20
+    region = 4 * mib + RUNTIME_SLACK
     full = [(0, 0, 1, 0, 4 * mib)]
-    assert fits_in_region(full + [(1, 0, 1, 1, 4)], 4 * mib)
-    assert not fits_in_region(full + [(1, 0, 1, 1, 257)], 4 * mib)
+    assert fits_in_region(full + [(1, 0, 1, 1, 4)], region)
+    assert not fits_in_region(full + [(1, 0, 1, 1, 257)], region)
     # placed as a crumb, it is freed without touching the region
     assert fits_in_region(full + [(1, 0, 1, 1, 4), (2, 0, 1, 1, -4), (3, 0, 1, 0, -4 * mib), (4, 0, 1, 2, 4 * mib)],
-                          4 * mib)
+                          region)
+
+
+def test_what_the_model_does_not_see_takes_some_of_the_region():
+    """A transformer plan on the stand-in: four 1 MiB tensors, then a 256 KiB one. With 2 MiB and
+    32 KiB left for the fourth, the model split that chunk and the step fitted; the stand-in's
+    region, where the runtime's own small allocations sat too, had 1.984 MiB there, handed it out
+    whole, and the 256 KiB request ran out of memory. The model keeps RUNTIME_SLACK for them."""
+    from lmscli.model.memmodel import RUNTIME_SLACK, fits_in_region
+
+    mib, kib = 1 << 20, 1 << 10
+    events = [(k, 0, 1, k, 1 * mib) for k in range(4)] + [(4, 0, 1, 4, 256 * kib)]
+    limit = 5 * mib + 32 * kib  # the fourth request finds 2 MiB + 32 KiB, less the slack
+    assert RUNTIME_SLACK > 32 * kib
+    assert not fits_in_region(events, limit)
+    assert fits_in_region(events, limit + RUNTIME_SLACK)
 
 
 def test_allocator_high_water_counts_fragmentation():
@@ -271,13 +287,14 @@ def test_a_bounded_region_hands_its_last_chunk_out_whole():
     region is handed out whole when it is less than twice a request, and what it has beyond the
     request is lost. Measured: an 8 MiB request took a 13.75 MiB chunk and the step ran out of
     memory at 60 MiB, where the unbounded model said 55 MiB were enough."""
-    from lmscli.model.memmodel import allocator_high_water, bounded_min_limit, fits_in_region
+    from lmscli.model.memmodel import RUNTIME_SLACK, allocator_high_water, bounded_min_limit, fits_in_region
 
     mib = 1 << 20
     events = [(0, 0, 1, 0, 10 * mib), (1, 0, 1, 1, 6 * mib), (2, 0, 1, 2, 8 * mib), (3, 0, 1, 3, 1 * mib)]
     assert allocator_high_water(events) == 25 * mib
     assert fits_in_region(events, 25 * mib + 1 * mib) is False  # 10 MiB free at c: handed out whole
-    assert fits_in_region(events, 32 * mib)  # 16 MiB free at c: split, 8 MiB left for d
+    assert fits_in_region(events, 32 * mib + RUNTIME_SLACK)  # 16 MiB free at c: split, 8 MiB left for d
+    assert not fits_in_region(events, 32 * mib)  # what the model does not see takes some: c takes all
     assert bounded_min_limit(events, start=25 * mib) > 26 * mib
     assert fits_in_region(events, bounded_min_limit(events, start=25 * mib))
 
@@ -294,8 +311,9 @@ def test_what_is_resident_takes_only_its_own_bytes_of_the_region():
     assert fits_in_region(events, 283 * mib, base=195 * mib)
     assert not fits_in_region(events, 273 * mib, base=195 * mib)
     assert not fits_in_region([], 100 * mib, base=101 * mib)
-    # 274 MiB leave 79 MiB: the 40 MiB request is handed all of it (less than twice its size)
-    assert bounded_min_limit(events, base=195 * mib, start=274 * mib) == 275 * mib
+    # 275 MiB leave 80 MiB less the runtime's slack: the 40 MiB request is handed all of it (less
+    # than twice its size), and the 39 MiB one finds no room
+    assert bounded_min_limit(events, base=195 * mib, start=274 * mib) == 276 * mib
 
 
 def test_what_a_loop_keeps_is_placed_one_iteration_at_a_time():
@@ -303,7 +321,7 @@ def test_what_a_loop_keeps_is_placed_one_iteration_at_a_time():
     tensors, two 3 MiB holes take its six 1 MiB elements, where one 6 MiB block fits nowhere in an
     8 MiB region (a tanh RNN's stacks, placed as one block, needed a 20 MiB limit; the stand-in,
     14 MiB)."""
-    from lmscli.model.memmodel import fits_in_region, in_pieces
+    from lmscli.model.memmodel import RUNTIME_SLACK, fits_in_region, in_pieces
 
     mib = 1 << 20
     tensors = [SimTensor(0, 0, 0, 3 * mib, (2,)), SimTensor(1, 0, 0, 1 * mib, (5,)), SimTensor(2, 0, 0, 3 * mib, (2,)),
@@ -311,10 +329,11 @@ def test_what_a_loop_keeps_is_placed_one_iteration_at_a_time():
     # b [0, 1), a [1, 4), d [4, 5), c [5, 8); a and c freed: two 3 MiB holes.
     events = [(0, 0, 1, 1, 1 * mib), (0, 1, 1, 0, 3 * mib), (0, 2, 1, 3, 1 * mib), (0, 3, 1, 2, 3 * mib),
               (1, 0, 1, 0, -3 * mib), (1, 1, 1, 2, -3 * mib), (2, 0, 1, 4, 6 * mib), (3, 0, 1, 4, -6 * mib)]
-    assert not fits_in_region(events, 8 * mib)
+    region = 8 * mib + RUNTIME_SLACK  # 8 MiB for the step's own tensors
+    assert not fits_in_region(events, region)
     pieces = in_pieces(events, tensors)
     assert len(pieces) == len(events) - 2 + 2 * 6
-    assert fits_in_region(pieces, 8 * mib)
+    assert fits_in_region(pieces, region)
     assert in_pieces(events[:4], tensors[:4]) == events[:4]  # nothing to split: the same list
 
 
