@@ -83,6 +83,24 @@ def test_dangling_and_duplicates():
         GraphView(graph_def_from_nodes([("a", "NoOp", [], None), ("a", "NoOp", [], None)]))
 
 
+def test_an_unplaced_op_taking_a_placed_variable_runs_where_the_variable_is():
+    """TensorFlow's placer colocates an op with the resource it takes: a tower's unplaced read of
+    a variable kept on the CPU runs on the CPU (its value crosses to the GPU), through an Identity
+    of the handle too; an op reading no variable, or a variable without a device, stays unplaced
+    (the first GPU)."""
+    graph = graph_def_from_nodes([
+        ("w", "VarHandleOp", [], None), ("w_cpu", "VarHandleOp", [], None),
+        ("read", "ReadVariableOp", ["w_cpu"], None), ("handle", "Identity", ["w_cpu"], None),
+        ("read2", "ReadVariableOp", ["handle"], None), ("read_gpu", "ReadVariableOp", ["w"], None),
+        ("conv", "Conv2D", ["read", "read2"], None)])
+    graph.node[1].device = "/device:CPU:0"
+    view = GraphView(graph)
+    placed = {view.names[i]: view.gpus[i] for i in range(view.size)}
+    assert placed["read"] is None and placed["read2"] is None and placed["handle"] is None
+    assert placed["read_gpu"] == placed["conv"] == "/device:GPU:0"
+    assert view.node_defs[view.index["read"]].device == ""  # the graph itself is not changed
+
+
 def test_while_back_edge_is_not_a_cycle_and_frames():
     nodes = [
         ("x", "Const", [], None),
