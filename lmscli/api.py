@@ -50,6 +50,12 @@ def for_stand_in(prepared: Prepared, stand_in=None) -> Prepared:
     at exit)."""
     from lmscli.prove.standin import shared
 
+    if len(prepared.devices) > 1:
+        raise InputError(
+            f"the graph places ops on {len(prepared.devices)} GPUs ({', '.join(prepared.devices)}), and the stand-in "
+            "GPU runs all of them in one process under one limit, so it cannot judge plans made per GPU: plan "
+            "without --stand-in (every GPU against the budget) and prove the rewrite with `lms verify ORIGINAL "
+            "REWRITTEN`; `lms measure` gives the graph's need on the stand-in, all GPUs together")
     stand_in = stand_in or shared()
     meta = with_graph_def(prepared.model.meta_graph, prepared.graph_def)
     seen = stand_in.observe(meta, prepared.model.fetches, batch_size=prepared.batch_size or 1)

@@ -117,6 +117,13 @@ def _limit(text: str, predicted_bytes: int) -> int:
     return gpu_mem_from_text(text, predicted_bytes if text.strip().endswith("%") else None)
 
 
+def _gpus(graph_def) -> set:
+    """The GPUs a graph's nodes run on (unplaced nodes: the first)."""
+    from lmscli.graph.graphview import gpu_key
+
+    return {key for node in graph_def.node if (key := gpu_key(node.device)) is not None}
+
+
 def _made_for_stand_in(graph_def) -> bool:
     """Was this rewrite planned with ``--stand-in``? Only stand-in plans make an op of the model wait
     until a swap-in has landed (a control input from a :data:`lmscli.emit.rewriter.LANDED` node)."""
@@ -217,7 +224,11 @@ def _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, o
         from lmscli.units import format_size
 
         hint = ""
-        if _made_for_stand_in(model_b.meta_graph.graph_def):
+        gpus = _gpus(model_b.meta_graph.graph_def)
+        if len(gpus) > 1:
+            hint = (f" (the graph places ops on {len(gpus)} GPUs, and the stand-in runs all of them in one process: "
+                    "the limit holds for all GPUs together, where a plan for a GPU is made for each one alone)")
+        elif _made_for_stand_in(model_b.meta_graph.graph_def):
             hint = (" (the plan was made for the stand-in, whose runs near a limit vary with the executor's order: "
                     "make it at a slightly larger --gpu-mem, or with more --reserve, to leave room for that)")
         elif prediction_b.predicted_standin_bytes > proof.limit_bytes:

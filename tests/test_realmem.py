@@ -440,3 +440,24 @@ def test_verify_knows_a_rewrite_planned_for_the_stand_in():
     assert not _made_for_stand_in(graph)
     graph.node.add(name="c", op="Relu", input=["a", "^t-lms-landed-0-0"])
     assert _made_for_stand_in(graph)
+
+
+def test_a_graph_on_several_gpus_is_not_planned_for_the_stand_in(runner, samples, tmp_path):
+    """The stand-in runs every GPU's ops in one process under one limit: a plan made per GPU is
+    not judged there (QA: `lms rewrite --stand-in` on a two-tower graph said "not necessary" for
+    each GPU alone, and `lms verify --gpu-mem` then ran out of memory at that limit and advised
+    `--stand-in`). `--stand-in` refuses such a graph with exit 1, and verify says why a per-GPU
+    plan may not fit under one limit."""
+    from tensorflow.core.framework import graph_pb2
+
+    from lmscli.verify_cli import _gpus
+
+    result = invoke(runner, "rewrite", samples / "two_gpu_cnn.meta", tmp_path / "out.meta", "--stand-in",
+                    "--gpu-mem", "16MiB")
+    assert result.exit_code == 1 and "2 GPUs" in result.output and "one process" in result.output
+    assert not (tmp_path / "out.meta").exists()
+    graph = graph_pb2.GraphDef()
+    graph.node.add(name="a", op="Relu", device="/device:GPU:1")
+    graph.node.add(name="b", op="Relu")
+    graph.node.add(name="c", op="Relu", device="/device:CPU:0")
+    assert _gpus(graph) == {"/device:GPU:0", "/device:GPU:1"}
