@@ -461,3 +461,35 @@ def test_a_swap_out_keeps_only_the_waiters_that_do_not_wait_through_another(samp
     swap = SimSwap(t.id, (t.consumers[0],), (SwapIn((t.consumers[1],), t.consumers[1] - 1),), waiters=(first, last))
     assert ctx.essential(swap).waiters == (first,)
     assert simulate(sched, [swap]).peak_bytes == simulate(sched, [ctx.essential(swap)]).peak_bytes
+
+
+def test_a_chosen_swap_is_brought_back_later_when_nothing_else_is_left(tmp_path):
+    """An MLP fed an 8 MiB input: the greedy swaps the input where the step first runs over, and
+    brings it back in time for its one later reader (the first layer's weight gradient), so it
+    lands before the next layer's gradients, which then run over with nothing left to swap (QA: no
+    plan from 20 to 25 MiB). Bringing the input back later, from an op after that point (a short
+    stall), plans down to 20 MiB; the rewrite trains bit-identically."""
+    from lmscli.prove import steps
+    from tests.conftest import v1_training_graph
+
+    path = tmp_path / "mlp.meta"
+    with v1_training_graph(path) as (tf, v1, graph):
+        init = v1.glorot_uniform_initializer(seed=1)
+        h = v1.placeholder(tf.float32, [2048, 1024], name="inputs")
+        for k, width in enumerate((512, 512, 256, 10)):
+            w = v1.get_variable(f"w{k}", [h.shape[1], width], initializer=init, use_resource=True)
+            h = tf.matmul(h, w, name=f"d{k}")
+            h = tf.nn.relu(h) if width > 10 else h
+        graph.loss = tf.reduce_mean(tf.square(h))
+    model = api.load(str(path))
+    prepared = api.prepare(model)
+    result = api.tune(prepared, api.make_device(gpu_mem="20MiB", reserve=0.0), TuneOptions(strategy="swap"))
+    assert result.fits
+    swap = next(s for s in result.plan.swaps if s.tensor == "inputs:0")
+    order = {name: k for k, name in enumerate(prepared.schedule.names)}
+    (swap_in,) = swap.swap_ins
+    assert order[swap_in.trigger] > order["gradients/d1_grad/MatMul_1"]
+    new_graph, _ = api.rewrite(prepared, result.plan)
+    before = steps.run_steps(model.meta_graph, model.fetches, steps=2)
+    after = steps.run_steps(new_graph, model.fetches, steps=2)
+    assert steps.first_difference(before, after) is None

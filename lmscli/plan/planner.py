@@ -369,6 +369,7 @@ class _Choice:
     recipe: object = None  # a recomputation: the recipe it runs
     cost: int = 0  # predicted microseconds the choice adds to the step
     companions: tuple = ()  # swaps of the other tensors sharing its buffer, made with it (size 0)
+    replaces: "_Choice | None" = None  # a chosen swap of the same tensor this one brings back later
 
 
 def _busy_blocks(transfers) -> list[tuple[int, int]]:
@@ -615,6 +616,14 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
             continue
         # Take the ranked swaps at p until p is within budget (the ranking is not refreshed).
         for best in ranked:
+            if best.replaces is not None:  # the same swap, brought back later: its old span counts again
+                old = best.replaces
+                profile[old.lo: old.hi + 1] += old.size
+                chosen[best.swap.tensor] = best
+                profile[best.lo: best.hi + 1] -= best.size
+                if profile[p] <= budget_act:
+                    break
+                continue
             if best.swap.tensor in chosen and best.swap.waiters == chosen[best.swap.tensor].swap.waiters:
                 continue
             if best.recipe is not None and any(m in chosen for src in best.recipe.sources + best.recipe.small
@@ -698,8 +707,38 @@ def _ranked_choices(ctx: _Context, chosen: dict, p: int, judged: _Judged, clippe
     ranked.sort(key=lambda x: x[0], reverse=True)
     if ranked:
         return [c for _, c in ranked]
+    later = _later_swap_in(ctx, chosen, p, judged) if "swap" in modes else None
+    if later is not None:
+        return [later]
     late = _late_free(ctx, chosen, p, judged)
     return [late] if late is not None else []
+
+
+def _later_swap_in(ctx: _Context, chosen: dict, p: int, judged: _Judged) -> _Choice | None:
+    """When nothing else is left at ``p``: a chosen swap whose swap-in lands before ``p`` though its
+    consumer runs after it, brought back later instead (from an op after ``p``, accepting the
+    stall), the one freeing the most. An MLP's 8 MiB input, swapped where the step first ran over
+    and brought back for the weight gradients of its first layer, landed before the next layer's
+    gradients, which then ran over with nothing left to swap (QA: no plan from 20 to 25 MiB; the
+    same swap brought back two ops later gives one at 23)::
+
+        before: inputs out after d1 ... in at d2 grads (p) ... d1 weight grad
+        after:  inputs out after d1 ... d2 grads (p) ... in at ReluGrad ... d1 weight grad
+    """
+    best = None
+    for tid in ctx.live_candidates(p):
+        old = chosen.get(tid)
+        if (old is None or old.recipe is not None or old.companions or ctx.cands[tid].shares
+                or len(old.swap.groups) != 1 or not old.lo <= p or old.hi >= p):
+            continue
+        choice = _gap_swap(ctx, ctx.cands[tid], p, judged.result, judged.d2h)
+        if (choice is None or not choice.lo <= p <= choice.hi or choice.swap.near != old.swap.near
+                or not _helps_instantly(ctx, choice.swap, p, judged.instant)):
+            continue
+        choice.cost, choice.replaces = choice.stall, old
+        if best is None or (choice.size, -choice.stall, -tid) > (best.size, -best.stall, -best.swap.tensor):
+            best = choice
+    return best
 
 
 def _gap_joint(ctx: _Context, cand: Candidate, p: int, result: SimResult, d2h, chosen: dict,
