@@ -707,10 +707,11 @@ def _ranked_choices(ctx: _Context, chosen: dict, p: int, judged: _Judged, clippe
     ranked.sort(key=lambda x: x[0], reverse=True)
     if ranked:
         return [c for _, c in ranked]
-    later = _later_swap_in(ctx, chosen, p, judged) if "swap" in modes else None
-    if later is not None:
-        return [later]
     late = _late_free(ctx, chosen, p, judged)
+    if late is None and "swap" in modes and not ctx.waited_out:
+        # (not on the stand-in, whose sends leave only when an op waits for them: there the same
+        # move made the transformer's plans at 15 MiB end stuck, where giving up here finds one)
+        late = _later_swap_in(ctx, chosen, p, judged)
     return [late] if late is not None else []
 
 
