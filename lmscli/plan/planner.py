@@ -720,8 +720,8 @@ def _later_swap_in(ctx: _Context, chosen: dict, p: int, judged: _Judged) -> _Cho
     consumer runs after it, brought back later instead (from an op after ``p``, accepting the
     stall), the one freeing the most. An MLP's 8 MiB input, swapped where the step first ran over
     and brought back for the weight gradients of its first layer, landed before the next layer's
-    gradients, which then ran over with nothing left to swap (QA: no plan from 20 to 25 MiB; the
-    same swap brought back two ops later gives one at 23)::
+    gradients, which then ran over with nothing left to swap (QA: no plan from 20 to 25 MiB; with
+    the same swap brought back a few ops later, plans down to 20 MiB)::
 
         before: inputs out after d1 ... in at d2 grads (p) ... d1 weight grad
         after:  inputs out after d1 ... d2 grads (p) ... in at ReluGrad ... d1 weight grad
