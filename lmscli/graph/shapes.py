@@ -10,11 +10,9 @@ from __future__ import annotations
 import copy
 
 from lmscli.errors import InputError
-from lmscli.graph.graphview import TensorInfo
+from lmscli.graph.graphview import PLACEHOLDER_OPS, TensorInfo
 from lmscli.tfimport import tensorflow
 from lmscli.timing import timed
-
-_PLACEHOLDERS = ("Placeholder", "PlaceholderWithDefault")
 
 
 def set_batch_size(graph_def, batch_size: int):
@@ -31,7 +29,7 @@ def set_batch_size(graph_def, batch_size: int):
     out = copy.deepcopy(graph_def)
     changed = []
     for node in out.node:
-        if node.op not in _PLACEHOLDERS or "shape" not in node.attr:
+        if node.op not in PLACEHOLDER_OPS or "shape" not in node.attr:
             continue
         shape = node.attr["shape"].shape
         if shape.unknown_rank or not shape.dim:
@@ -50,11 +48,11 @@ def set_batch_size(graph_def, batch_size: int):
 def batch_sizes_set(graph_def, rewritten) -> frozenset:
     """The sizes :func:`set_batch_size` gave the placeholders of ``graph_def`` in ``rewritten`` (a
     GraphDef made from it): the dim 0 that is unknown in the one and known in the other."""
-    theirs = {node.name: node for node in rewritten.node if node.op in _PLACEHOLDERS and "shape" in node.attr}
+    theirs = {node.name: node for node in rewritten.node if node.op in PLACEHOLDER_OPS and "shape" in node.attr}
     sizes = set()
     for node in graph_def.node:
         other = theirs.get(node.name)
-        if other is None or node.op not in _PLACEHOLDERS or "shape" not in node.attr:
+        if other is None or node.op not in PLACEHOLDER_OPS or "shape" not in node.attr:
             continue
         mine, set_to = node.attr["shape"].shape, other.attr["shape"].shape
         if mine.dim and set_to.dim and not (mine.unknown_rank or set_to.unknown_rank):

@@ -21,11 +21,10 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from lmscli.model.costmodel import op_time
-from lmscli.graph.graphview import DEFAULT_GPU, VARIABLE_OPS, GraphView
+from lmscli.graph.graphview import DEFAULT_GPU, PLACEHOLDER_OPS, VARIABLE_OPS, GraphView
 from lmscli.timing import timed
 
 CONSTANT_OPS = frozenset({"Const", "HostConst"})
-PLACEHOLDER_OPS = frozenset({"Placeholder", "PlaceholderWithDefault"})
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lmscli.graph.graphview import CONTROL_FLOW_OPS, SHAPE_OPS, VARIABLE_OPS, GraphView
+from lmscli.graph.graphview import CONTROL_FLOW_OPS, PLACEHOLDER_OPS, SHAPE_OPS, VARIABLE_OPS, GraphView
 from lmscli.model.schedule import Schedule, invariant_enter
 
 NEVER_SWAP_PRODUCERS = frozenset({"Const", "HostConst", "BroadcastGradientArgs"}) | SHAPE_OPS | VARIABLE_OPS | CONTROL_FLOW_OPS
@@ -318,7 +318,7 @@ def _long_sum(view: GraphView, node: int) -> bool:
     return view.ops[node] in SUM_OPS and len(view.data_inputs[node]) >= 3
 
 
-_OWN_BUFFER_NEVER = frozenset({"Placeholder", "PlaceholderWithDefault", "ReadVariableOp"})
+_OWN_BUFFER_NEVER = PLACEHOLDER_OPS | {"ReadVariableOp"}
 
 
 def _sole_reader(view: GraphView, src: int, output: int) -> bool:
