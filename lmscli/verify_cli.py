@@ -118,10 +118,11 @@ def _limit(text: str, predicted_bytes: int) -> int:
 
 
 def _gpus(graph_def) -> set:
-    """The GPUs a graph's nodes run on (unplaced nodes: the first)."""
-    from lmscli.graph.graphview import gpu_key
+    """The GPUs a graph's nodes run on, placed as the graph view places them (unplaced nodes on the
+    first GPU, an unplaced variable read where its variable is), as plans count them."""
+    from lmscli.graph.graphview import GraphView
 
-    return {key for node in graph_def.node if (key := gpu_key(node.device)) is not None}
+    return {key for key in GraphView(graph_def).gpus if key is not None}
 
 
 def _made_for_stand_in(graph_def) -> bool:

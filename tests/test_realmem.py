@@ -461,3 +461,8 @@ def test_a_graph_on_several_gpus_is_not_planned_for_the_stand_in(runner, samples
     graph.node.add(name="b", op="Relu")
     graph.node.add(name="c", op="Relu", device="/device:CPU:0")
     assert _gpus(graph) == {"/device:GPU:0", "/device:GPU:1"}
+    alone = graph_pb2.GraphDef()  # a read of a CPU variable, unplaced, runs on the CPU: one GPU
+    alone.node.add(name="v", op="VarHandleOp", device="/device:CPU:0")
+    alone.node.add(name="r", op="ReadVariableOp", input=["v"])
+    alone.node.add(name="a", op="Relu", input=["r"], device="/device:GPU:1")
+    assert _gpus(alone) == {"/device:GPU:1"}
