@@ -287,6 +287,12 @@ def _exit_waits(view: GraphView, active: set[int]) -> dict[int, tuple[int, ...]]
 _FED = re.compile(r"^_recv_(.+)_0$")  # an observed order's arrival of a fed value (lmscli.prove.scratch)
 
 
+def arrival_name(placeholder: str) -> str:
+    """The name an observed order gives the arrival of ``placeholder``'s fed value on the device
+    (the name TensorFlow's session gives the feed's receive): ``_recv_NAME_0``."""
+    return f"_recv_{placeholder}_0"
+
+
 def fed_at_receive(view: GraphView, order, rank: dict[int, int]) -> dict[int, int]:
     """Per placeholder a real run feeds, its rank in the observed ``order``: where its value
     reached the device (``_recv_NAME_0``), not the step's start.

@@ -57,23 +57,23 @@ def predict(model, batch_size: int | None = None, observation=None, stand_in=Non
     model = api.Model(model.path, model.format, meta, tuple(model.fetches), model.fetch_source, list(model.notes))
     prepared = api.prepare(model, batch_size=batch_size)
     schedule = prepared.schedule
-    run = run_graph(model, api.with_graph_def(meta, prepared.graph_def), prepared.optimized,
-                    prepared.view.tensor_facts())
+    prepared_meta = api.with_graph_def(meta, prepared.graph_def)
+    run = run_graph(model, prepared_meta, prepared.optimized, prepared.view.tensor_facts())
     on_gpu = (run_peak_of(run) if run is not None and len(schedule) <= RUN_JUDGE_MAX_OPS
               else simulate(schedule, detail=False).peak_bytes)
     # The stand-in is one device: a graph placed on several GPUs runs all their ops in its one
     # limited process, and is predicted so (a two-tower CNN needs 6 MiB there, 2.5 per GPU).
-    here, here_prepared, here_run = model, prepared, run
+    here, here_prepared, here_meta, here_run = model, prepared, prepared_meta, run
     if len(prepared.devices) > 1:
         here = api.Model(model.path, model.format, steps.on_one_device(meta), tuple(model.fetches),
                          model.fetch_source, list(model.notes))
         here_prepared = api.prepare(here, batch_size=batch_size)
-        here_run = run_graph(here, api.with_graph_def(here.meta_graph, here_prepared.graph_def),
-                             here_prepared.optimized, here_prepared.view.tensor_facts())
+        here_meta = api.with_graph_def(here.meta_graph, here_prepared.graph_def)
+        here_run = run_graph(here, here_meta, here_prepared.optimized, here_prepared.view.tensor_facts())
     # Each graph is observed itself: a rewrite's swap nodes and trigger edges change the order the
     # CPU executor picks. A given observation lends its kernel scratch (the same kernels run).
     stand_in = stand_in or shared()
-    observation = stand_in.observe(api.with_graph_def(here.meta_graph, here_prepared.graph_def), model.fetches,
+    observation = stand_in.observe(here_meta, model.fetches,
                                    batch_size=batch_size or 1).lending(observation)
     # The graph TensorFlow runs (Grappler-optimized) when it can be scheduled, else the graph as
     # written.
@@ -83,7 +83,7 @@ def predict(model, batch_size: int | None = None, observation=None, stand_in=Non
         seen = here_prepared.observed(observation.order, observation.scratch, observation.micros)
         standin = simulate(seen.schedule, detail=False).peak_bytes
     try:
-        estimate = grappler.estimate_peak(api.with_graph_def(meta, prepared.graph_def), model.fetches)
+        estimate = grappler.estimate_peak(prepared_meta, model.fetches)
         grappler_bytes = estimate.gpu_peaks.get(schedule.device, estimate.gpu_peak_bytes) + schedule.variable_bytes
     except LmsError:
         grappler_bytes = None

@@ -23,6 +23,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from lmscli.model.schedule import arrival_name
+
 
 @dataclass(frozen=True)
 class Observation:
@@ -38,7 +40,7 @@ class Observation:
         return Observation({**other.scratch, **self.scratch}, self.order, self.micros)
 
 
-_FED = re.compile(r" edge_\d+_(_recv_\S+) from \S+ to (\S+)")  # a RecvTensor's label for a fed value
+_FED = re.compile(r" edge_\d+__recv_(\S+)_0 from \S+ to (\S+)")  # a RecvTensor's label for a fed value
 
 
 def _arrival(node, device: str) -> str | None:
@@ -47,7 +49,7 @@ def _arrival(node, device: str) -> str | None:
     if node.node_name != "RecvTensor":
         return None
     match = _FED.search(node.timeline_label)
-    return match.group(1) if match and match.group(2) == device else None
+    return arrival_name(match.group(1)) if match and match.group(2) == device else None
 
 
 def from_step_stats(step_stats, device_prefix: str = "") -> Observation:
