@@ -41,6 +41,7 @@ class Prepared:
     trace: object = None  # Grappler's trace the schedules were built from (None: roofline model)
     observed_order: tuple = ()  # an execution order observed in a real run, followed by the schedules
     observed_micros: object = None  # op times observed in that run (node name -> microseconds)
+    observed_orders: tuple = ()  # orders of other traced steps (how far loop iterations ran ahead)
     dead: frozenset = frozenset()  # ops of the step Grappler prunes as unused, left out of the schedules
     untaken: frozenset = frozenset()  # ops of the smaller branch of each v1 cond, left out likewise
     # The StandIn a step prepared for the stand-in was observed on; its plans are judged there.
@@ -55,7 +56,8 @@ class Prepared:
         if len(self.schedule) > RUN_JUDGE_MAX_OPS and not self.observed_order:
             return None
         return run_peak(self.model, with_graph_def(self.model.meta_graph, self.graph_def), self.optimized,
-                        self.scratch, self.observed_order, self.observed_micros, known=self.view.tensor_facts())
+                        self.scratch, self.observed_order, self.observed_micros, known=self.view.tensor_facts(),
+                        orders=self.observed_orders)
 
     def with_scratch(self, scratch: dict) -> "Prepared":
         """The same step with each op's kernel scratch (node name -> bytes) counted while it runs."""
@@ -63,20 +65,25 @@ class Prepared:
         chosen = next((s for s in schedules if s.device == self.schedule.device), self.schedule.with_scratch(scratch))
         return replace(self, schedule=chosen, schedules=schedules, scratch=dict(scratch))
 
-    def observed(self, order, scratch: dict | None = None, micros: dict | None = None) -> "Prepared":
+    def observed(self, order, scratch: dict | None = None, micros: dict | None = None, orders=()) -> "Prepared":
         """The same step in an execution order observed in a real run on the stand-in (op names; ops
         the run did not show run as soon as they are ready), with kernel scratch and op times if
-        given, and the stand-in's waited sends (:attr:`Schedule.waited_sends`)."""
+        given, and the stand-in's waited sends (:attr:`Schedule.waited_sends`). Loop iterations
+        running at once hold what ``order`` and the ``orders`` of other traced steps show at most
+        (:attr:`Schedule.ahead`)."""
         trace = self.trace.observed(order, micros) if self.trace is not None else None
         if trace is None:
             schedules = tuple(replace(s, waited_sends=True) for s in self.schedules)
             chosen = replace(self.schedule, waited_sends=True)
             return replace(self, schedule=chosen, schedules=schedules).with_scratch(scratch or {})
+        from lmscli.model.loops import iterations_ahead
+
         schedules = tuple(replace(s.without(self.dead | self.untaken), waited_sends=True) for s in build_schedules(
             self.view, self.model.fetches, trace=trace, memory_model=self.schedule.memory_model))
+        schedules = tuple(replace(s, ahead=iterations_ahead(self.view, s, order, *orders)) for s in schedules)
         chosen = next((s for s in schedules if s.device == self.schedule.device), schedules[0])
         seen = replace(self, schedule=chosen, schedules=schedules, observed_order=tuple(order),
-                       observed_micros=dict(micros or {}))
+                       observed_micros=dict(micros or {}), observed_orders=tuple(orders))
         return seen.with_scratch(scratch or {})
 
     @property
@@ -208,14 +215,15 @@ def _filled(tensors: dict, known: dict) -> dict:
 
 
 def run_peak(model: Model, meta_graph, optimized, scratch: dict | None = None, order=(),
-             micros: dict | None = None, link_bandwidth: float = float("inf"), known: dict | None = None) -> int | None:
+             micros: dict | None = None, link_bandwidth: float = float("inf"), known: dict | None = None,
+             orders=()) -> int | None:
     """The executor model's peak of the graph a Session really runs: ``optimized``, what
     Grappler's default optimizations make of ``meta_graph`` (fusions, folded constants and the
     order they allow change the step's memory: on an attention model it fell by a third); for the
     stand-in (``order`` or ``scratch`` observed on it) with the BFC allocator's fragmentation. The
     largest over the step's GPUs, resident bytes included; None when it cannot be scheduled."""
     seen = run_graph(model, meta_graph, optimized, known)
-    return None if seen is None else run_peak_of(seen, scratch, order, micros, link_bandwidth)
+    return None if seen is None else run_peak_of(seen, scratch, order, micros, link_bandwidth, orders)
 
 
 def run_graph(model: Model, meta_graph, optimized, known: dict | None = None) -> Prepared | None:
@@ -268,10 +276,10 @@ def _importable(optimized):
 
 
 def run_peak_of(seen: Prepared, scratch: dict | None = None, order=(), micros: dict | None = None,
-                link_bandwidth: float = float("inf")) -> int:
+                link_bandwidth: float = float("inf"), orders=()) -> int:
     """:func:`run_peak` of a graph :func:`run_graph` prepared."""
     if order:
-        seen = seen.observed(order, micros=micros)
+        seen = seen.observed(order, micros=micros, orders=orders)
     if scratch:
         seen = seen.with_scratch(scratch)
     # On the stand-in (an observed order or kernel scratch), the allocator's fragmentation too; a

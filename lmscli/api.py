@@ -59,7 +59,7 @@ def for_stand_in(prepared: Prepared, stand_in=None) -> Prepared:
     stand_in = stand_in or shared()
     meta = with_graph_def(prepared.model.meta_graph, prepared.graph_def)
     seen = stand_in.observe(meta, prepared.model.fetches, batch_size=prepared.batch_size or 1)
-    return replace(prepared.observed(seen.order, seen.scratch, seen.micros), stand_in=stand_in)
+    return replace(prepared.observed(seen.order, seen.scratch, seen.micros, seen.orders), stand_in=stand_in)
 
 
 @timed("write")

@@ -247,18 +247,49 @@ def test_a_fed_value_takes_memory_where_it_reached_the_device(samples):
     assert fed_at_receive(view, order, {**rank, view.index["inputs"]: 0}) == {}  # seen itself: kept
 
 
+def test_iterations_running_ahead_hold_their_buffers(samples, tmp_path):
+    """A traced step's order shows loop iterations running at once (``parallel_iterations`` 10 in
+    the sample): three weight gradients of the RNN's gradient loop made before the first is added
+    to its sum hold two 256 KiB buffers more than one iteration does, while the gradients are made
+    and while the sums run; the same ops one iteration at a time hold nothing more, and neither
+    does the graph with ``parallel_iterations`` 1, whatever the order."""
+    from tensorflow.core.protobuf import meta_graph_pb2
+
+    from lmscli.model.loops import iterations_ahead
+
+    prepared = api.prepare(api.load(str(samples / "stack_rnn.meta")))
+    schedule = prepared.schedule.with_memory_model("executor")
+    grad = "gradients/rnn/loop/MatMul_1_grad/MatMul_1"
+    passed = "gradients/rnn/loop/MatMul_1_grad/tuple/control_dependency_1"  # an Identity: the same buffer
+    add = "gradients/rnn/loop/MatMul_1/ReadVariableOp/Enter_grad/Add"
+    made, summed = schedule.names.index(grad), schedule.names.index(add)
+    racing = (grad,) * 3 + (passed, add) * 3
+    assert iterations_ahead(prepared.view, schedule, racing) == (
+        ((made, made, 256 << 10),) * 2 + ((summed, summed, 256 << 10),) * 2)
+    assert iterations_ahead(prepared.view, schedule, (grad, passed, add) * 3) == ()
+    meta = meta_graph_pb2.MetaGraphDef()
+    meta.CopyFrom(prepared.model.meta_graph)
+    for node in meta.graph_def.node:
+        if node.op == "Enter":
+            node.attr["parallel_iterations"].i = 1
+    (tmp_path / "serial.meta").write_bytes(meta.SerializeToString())
+    serial = api.prepare(api.load(str(tmp_path / "serial.meta")))
+    assert iterations_ahead(serial.view, serial.schedule.with_memory_model("executor"), racing) == ()
+
+
 def test_a_recurrent_nets_real_need_is_predicted_with_its_stacks(tmp_path):
     """Real memory: one step of a dynamic_rnn LSTM on the stand-in GPU needs what its stacks and
     TensorArrays hold over 48 steps; counted for one iteration (as before), the prediction was a
-    quarter of the measurement (-74%). Now within 30% (-22% when a stack was freed at its first
-    pop; -7% measured since it is held to the end of the loop that pops it: 14 MiB predicted, 15
-    needed; a v1 loop runs up to 10 iterations at once, whose temporaries are counted for one)."""
+    quarter of the measurement (-74%); -22% when a stack was freed at its first pop; -7% (14 MiB
+    predicted, 15 needed) since it is held to the end of the loop that pops it; now 15 and 15,
+    with what the loop's iterations running at once (up to 10 in a v1 loop) held in the traced
+    steps: the fidelity target, -3% to +10%."""
     from lmscli.prove.realmem import measure_need
 
     model = api.load(str(_lstm_loop(tmp_path / "lstm.meta")))
     need = measure_need([model], runs=1)[0]
     ratio = need.prediction.predicted_standin_bytes / need.min_limit_bytes
-    assert 0.7 <= ratio <= 1.2, (need.prediction, need.min_limit_bytes)
+    assert 0.97 <= ratio <= 1.10, (need.prediction, need.min_limit_bytes)
 
 
 def test_a_plan_triggering_from_a_branch_for_an_op_outside_it_is_refused(cond_branch):

@@ -162,10 +162,12 @@ def notes(view: GraphView, active, loops: dict[str, Loop]) -> tuple[str, ...]:
     parallel = max((_parallel_iterations(view, i) for i in active if view.frames[i]
                     and view.ops[i] in ("Enter", "RefEnter")), default=1)
     if parallel > 1:
-        out.append(f"up to {parallel} iterations of a loop may run at once (its parallel_iterations), and lms counts "
-                   "the temporaries of one: the graph as written can need more than predicted (a dynamic_rnn LSTM "
-                   "needed 73 MiB on the stand-in, predicted 55); lms's plans run such loops one iteration at a "
-                   "time, which computes the same (53 MiB), unless --keep-loop-parallelism")
+        out.append(f"up to {parallel} iterations of a loop may run at once (its parallel_iterations): lms's GPU "
+                   "figures count the temporaries of one, so the graph as written can need more on a GPU (a "
+                   "dynamic_rnn GRU: 38 MiB on the stand-in, 20 counting one iteration); the stand-in's figures "
+                   "(--stand-in, lms measure) count what its traced steps showed iterations holding at once (39); "
+                   "lms's plans run such loops one iteration at a time, which computes the same, unless "
+                   "--keep-loop-parallelism")
     return tuple(out)
 
 
@@ -244,6 +246,126 @@ def overlap_bytes(view: GraphView, schedule) -> int:
         trips = counted[frame].trips if frame in counted and counted[frame].trips else p
         total += (min(p, trips) - 1) * per_iteration.get(frame, 0)
     return total
+
+
+# Ops whose output is an element a loop keeps (a stack's, a TensorArray's, a TensorList's): its
+# buffer is counted with what the loop keeps, however far ahead it is read.
+ELEMENT_READS = frozenset({"StackPopV2", "StackPop", "TensorArrayReadV3", "TensorArrayReadV2", "TensorListGetItem",
+                           "TensorListPopBack"})
+
+
+# Control-flow ops that hand a buffer on to the next iteration or out of the loop: a ``Merge`` runs
+# once more than the body (its first value comes from the ``Enter``), so its k-th run is not
+# iteration k's; the buffer's life in iteration k ends at its last other reader.
+CARRIERS = frozenset({"Merge", "RefMerge", "NextIteration", "RefNextIteration", "Switch", "RefSwitch", "Exit",
+                      "RefExit", "Enter", "RefEnter"})
+
+
+def iterations_ahead(view: GraphView, schedule, *orders) -> tuple[tuple[int, int, int], ...]:
+    """What iterations of loops running at once held beyond one iteration, as traced steps show it:
+    each of ``orders``, the names of the ops a step started, one entry per run (a loop body's ops
+    once per iteration); the most any of them shows. For each loop whose ``parallel_iterations`` is above 1 (``schedule``, an
+    executor-model schedule of that step, counts one iteration in flight), each buffer one of its
+    ops makes lives in iteration k from the op's k-th start to the k-th start of the last of its
+    readers in the loop. While each op ran (loops run side by side: a bidirectional RNN's two), some
+    buffers were live for more than one iteration at once; at the run of that op when those extra
+    buffers took the most bytes, each is one allocation held while the op runs: ``(position,
+    position, bytes)`` per allocation, sorted.
+
+    The executor starts ready ops last-in first-out: the stack_rnn sample's gradient loop ran ten
+    iterations' weight gradients before the first was added to its sum, each 256 KiB (measured
+    need 14 MiB, against 12 for the same graph with ``parallel_iterations`` 1; predicted 13
+    without this, 14 with it)::
+
+        order:  MatMul_1_grad/MatMul_1 (k), ..., MatMul_1_grad/MatMul_1 (k+9), Enter_grad/Add (k), ...
+        held:   10 x 256 KiB while the Adds run, where one iteration holds 256 KiB
+
+    A body op that does not run once per iteration (inside a cond in the loop, or in an inner loop)
+    is left out; a loop that ran once or not at all holds nothing more."""
+    from lmscli.model.memmodel import roots
+    from lmscli.model.schedule import STORAGE_OUTPUT
+
+    parallel: dict[str, int] = {}
+    for i in range(view.size):
+        if view.ops[i] in ("Enter", "RefEnter") and view.frames[i]:
+            parallel[view.frames[i]] = max(parallel.get(view.frames[i], 1), _parallel_iterations(view, i))
+    frames = {f for f, p in parallel.items() if p > 1}
+    if not frames or not any(orders) or not schedule.shares:
+        return ()
+    frame_at = [view.frames[node] for node in schedule.nodes]
+    span: dict[str, list[int]] = {}
+    for k, frame in enumerate(frame_at):
+        if frame in frames:
+            span.setdefault(frame, [k, k])[1] = k
+    if not span:
+        return ()
+    readers: dict[int, set[int]] = {}  # buffer (root tensor) -> positions reading it in its loop
+    root_of = roots(schedule)
+    for t in schedule.tensors:
+        root = root_of[t.id]
+        if root < 0:
+            continue
+        frame = frame_at[schedule.tensors[root].producer]
+        if (frame not in span or schedule.tensors[root].output == STORAGE_OUTPUT
+                or schedule.ops[schedule.tensors[root].producer] in ELEMENT_READS):
+            continue
+        readers.setdefault(root, set()).update(c for c in t.consumers
+                                               if frame_at[c] == frame and schedule.ops[c] not in CARRIERS)
+    position = {name: k for k, name in enumerate(schedule.names)}
+    best: dict[int, tuple[int, dict[int, int]]] = {}  # position -> (extra bytes, extra runs per buffer)
+    for order in orders:
+        _held_ahead(schedule, order, readers, position, best)
+    out: list[tuple[int, int, int]] = []
+    for k, (_extra, extras) in best.items():
+        for root, n in extras.items():
+            out.extend((k, k, schedule.tensors[root].num_bytes) for _ in range(n))
+    return tuple(sorted(out))
+
+
+def _held_ahead(schedule, order, readers: dict, position: dict, best: dict) -> None:
+    """:func:`iterations_ahead` for one traced ``order``: update ``best`` (position -> the most
+    extra bytes seen while the op there ran, and the extra runs per buffer then)."""
+    runs: dict[str, list[int]] = {}
+    wanted = {schedule.names[schedule.tensors[r].producer] for r in readers}
+    wanted.update(schedule.names[c] for cs in readers.values() for c in cs)
+    for index, name in enumerate(order):
+        if name in wanted:
+            runs.setdefault(name, []).append(index)
+    events: list[tuple[int, int, int, int]] = []  # (index in the order, phase, root, +1/-1)
+    for root, positions in sorted(readers.items()):
+        t = schedule.tensors[root]
+        made = runs.get(schedule.names[t.producer], [])
+        reads = [runs.get(schedule.names[c], []) for c in sorted(positions)]
+        if len(made) < 2 or not reads or any(len(r) != len(made) for r in reads):
+            continue
+        ends = [max(r[k] for r in reads) for k in range(len(made))]
+        if any(end < start for start, end in zip(made, ends)):
+            continue
+        for start, end in zip(made, ends):
+            events.append((start, 0, root, 1))
+            events.append((end, 1, root, -1))
+    events.sort()
+    count: dict[int, int] = {}
+    extra = 0
+    for j, (index, phase, root, delta) in enumerate(events):
+        # (the op at ``index`` runs when its outputs are made and what it last read is not yet freed)
+        if phase == 1 and (j == 0 or events[j - 1][:2] != (index, 1)):
+            _note_running(best, position.get(order[index]), extra, count)
+        before = count.get(root, 0)
+        count[root] = before + delta
+        if delta > 0 and before >= 1:
+            extra += schedule.tensors[root].num_bytes
+        elif delta < 0 and before >= 2:
+            extra -= schedule.tensors[root].num_bytes
+        if phase == 0 and (j + 1 == len(events) or events[j + 1][0] != index):
+            _note_running(best, position.get(order[index]), extra, count)
+
+
+def _note_running(best: dict, k: int | None, extra: int, count: dict) -> None:
+    """Keep, for the op at position ``k``, the most ``extra`` bytes seen while it ran and the extra
+    runs per buffer then (``count``: iterations each buffer was live for)."""
+    if k is not None and extra > best.get(k, (0, None))[0]:
+        best[k] = (extra, {r: n - 1 for r, n in count.items() if n > 1})
 
 
 def _parallel_iterations(view: GraphView, enter: int) -> int:

@@ -71,6 +71,10 @@ class Schedule:
     # Per position, the op's first input is a constant of this GPU (counted in constant_bytes, not
     # a tensor): a forwarding op hands on the constant's buffer.
     reads_constant: tuple[bool, ...] = ()
+    # Per allocation that iterations of a loop running ahead of the one the model counts held in a
+    # traced step (lmscli.model.loops.iterations_ahead): (first position, last position, bytes),
+    # held while the ops from first to last run.
+    ahead: tuple[tuple[int, int, int], ...] = ()
 
     def with_scratch(self, by_name: dict) -> "Schedule":
         """The same schedule with kernel scratch bytes per op name (e.g. measured on the stand-in)."""
@@ -125,10 +129,15 @@ class Schedule:
                                      t.least_bytes))
         inputs = tuple(tuple(new_id[tid] for tid in self.inputs[pos] if tid in new_id) for pos in kept)
         pick = lambda values: tuple(values[pos] for pos in kept) if values else values  # noqa: E731
+        ahead = []
+        for first, last, num_bytes in self.ahead:
+            span = [new_pos[pos] for pos in range(first, last + 1) if pos in new_pos]
+            if span:
+                ahead.append((span[0], span[-1], num_bytes))
         pruned = replace(self, nodes=pick(self.nodes), names=pick(self.names), ops=pick(self.ops),
                          levels=pick(self.levels), compute=pick(self.compute), on_gpu=pick(self.on_gpu),
                          tensors=tuple(tensors), inputs=inputs, scratch=pick(self.scratch), shares=(), in_place=(),
-                         reads_constant=pick(self.reads_constant))
+                         reads_constant=pick(self.reads_constant), ahead=tuple(ahead))
         return pruned.with_memory_model(self.memory_model)
 
     @property

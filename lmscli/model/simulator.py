@@ -411,6 +411,9 @@ def _executor_events(schedule, swap_of, start, end, out_start, out_end, in_start
         if size > 0:
             events.append((start[k], 4 * k, 2, k, size))
             events.append((end[k], 4 * k + 1, 2, k, -size))
+    for j, (first, last, size) in enumerate(schedule.ahead):  # loop iterations running ahead
+        events.append((start[first], 4 * first, 4, j, rounded(size)))
+        events.append((end[last], 4 * last + 2, 4, j, -rounded(size)))
     return events, _host_events(tensors, swap_of, out_start, out_end, in_end)
 
 

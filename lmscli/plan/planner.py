@@ -952,6 +952,11 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
 
     A graph that places ops on several GPUs gets one plan per GPU, each for a ``device`` of its own
     (``margin`` may then map GPU names to margins), merged into one plan."""
+    if options.serial_loops and any(s.ahead for s in (prepared.schedule, *prepared.schedules)):
+        # The plan runs its loops one iteration at a time: what iterations running ahead held in a
+        # traced step of the original (Schedule.ahead) is not there.
+        prepared = replace(prepared, schedule=replace(prepared.schedule, ahead=()),
+                           schedules=tuple(replace(s, ahead=()) for s in prepared.schedules))
     if len(prepared.schedules) > 1:
         return _tune_each_gpu(prepared, device, options, margin)
     if isinstance(margin, dict):

@@ -78,9 +78,10 @@ def predict(model, batch_size: int | None = None, observation=None, stand_in=Non
     # The graph TensorFlow runs (Grappler-optimized) when it can be scheduled, else the graph as
     # written.
     if here_run is not None:
-        standin = run_peak_of(here_run, observation.scratch, observation.order, observation.micros)
+        standin = run_peak_of(here_run, observation.scratch, observation.order, observation.micros,
+                              orders=observation.orders)
     else:
-        seen = here_prepared.observed(observation.order, observation.scratch, observation.micros)
+        seen = here_prepared.observed(observation.order, observation.scratch, observation.micros, observation.orders)
         standin = simulate(seen.schedule, detail=False).peak_bytes
     try:
         estimate = grappler.estimate_peak(prepared_meta, model.fetches)

@@ -31,13 +31,14 @@ class Observation:
     scratch: dict  # node name -> kernel scratch bytes (ops that hold any)
     order: tuple  # node names in the order the executor started them
     micros: dict = field(default_factory=dict)  # node name -> microseconds it ran on this CPU
+    orders: tuple = ()  # the orders of other traced steps of the same graph (loops run differently each time)
 
     def lending(self, other: "Observation | None") -> "Observation":
         """This observation, with the scratch of ``other`` for ops it did not see hold any (a
         rewrite runs the same kernels as its original)."""
         if other is None:
             return self
-        return Observation({**other.scratch, **self.scratch}, self.order, self.micros)
+        return Observation({**other.scratch, **self.scratch}, self.order, self.micros, self.orders)
 
 
 _FED = re.compile(r" edge_\d+__recv_(\S+)_0 from \S+ to (\S+)")  # a RecvTensor's label for a fed value

@@ -812,7 +812,10 @@ class StandIn:
         # so it can come long after its tensor was ready (QA: a GPU plan's swap-outs, placed at
         # once, were predicted to need 27 MiB; the stand-in needed 51).
         order = from_step_stats(timed.trace[0]).order
-        return replace(first, order=order, scratch=scratch, micros={**first.micros, **warm.micros})
+        # How far a loop's iterations run ahead of each other varies from step to step; the other
+        # two traced steps show it twice more.
+        orders = (from_step_stats(timed.trace[1]).order, from_step_stats(sized.trace[0]).order)
+        return replace(first, order=order, scratch=scratch, micros={**first.micros, **warm.micros}, orders=orders)
 
     def find_min(self, meta_graph, fetches, *, hint_bytes: int | None = None, lo_bytes: int | None = None,
                  hi_bytes: int | None = None, batch_size: int = 1, runs: int = 3, resolution: int = MIB,
