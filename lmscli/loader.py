@@ -278,11 +278,16 @@ def lower_functional_control_flow(model: Model) -> None:
                            "and loop bodies are not counted")
         return
     if done.lowered:
+        from lmscli.graph import loopvars
+
+        invariant = loopvars.invariants(done.graph_def, done.lowered)
         model.meta_graph.graph_def.CopyFrom(done.graph_def)
         model.structure = _check_structure(model)
         model.notes.append(f"{len(done.lowered)} functional If/While/Case op(s) lowered to Switch/Merge and "
                            "Enter/Exit, as TensorFlow's runtime lowers them: the tensors of their branches and "
-                           "loop bodies are counted (and, in branches, swapped)")
+                           "loop bodies are counted (and, in branches, swapped)"
+                           + (f"; {invariant} value(s) their loops pass on unchanged read as loop invariants, "
+                              "which can leave the GPU around the loops" if invariant else ""))
 
 
 def _check_structure(model: Model):

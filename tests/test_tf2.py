@@ -131,3 +131,51 @@ def test_the_tensors_of_a_tf_range_loop_have_their_sizes():
     assert after < before and any(name.endswith("/Tanh") for name, _k in before)
     # What stays unknown reads an accumulator's elements (the loops' storage sizes those), in the gradient loop.
     assert all("while_grad" in name for name, _k in after)
+
+
+def test_a_value_a_loop_and_its_gradient_read_is_swapped_around_the_gradient_loop():
+    """A TensorFlow 2 loop passes what its body reads from outside as a loop variable, through
+    the loop and out to its gradient loop; lms reads such values as loop invariants
+    (:mod:`lmscli.graph.loopvars`), so one can leave the GPU while the layers after the loop run
+    and come back for the gradient loop (before, it stayed from the loop's start to the end of
+    the gradient loop: no plan could move it). Three steps train bit-identically."""
+    import tensorflow as tf
+
+    from lmscli import api
+
+    rng = np.random.default_rng(0)
+    weights = [tf.Variable(rng.standard_normal(shape).astype(np.float32) * 0.05)
+               for shape in ((256, 512), (512, 512), (512, 2048))]
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            memory = tf.tanh(x @ weights[0])  # read in every iteration, and by the gradient loop
+            h = tf.ones([1024, 512]) * 0.5
+            for _ in tf.range(3):
+                h = tf.tanh(h @ weights[1]) * memory
+            wide = tf.nn.relu(h @ weights[2])  # the peak: after the loop, before its gradient
+            loss = tf.reduce_mean(wide * wide)
+        for w, g in zip(weights, tape.gradient(loss, weights)):
+            w.assign_sub(0.01 * g)
+        return loss
+
+    concrete = step.get_concrete_function(tf.TensorSpec([1024, 256]))
+    model, _signature = tf2.model_of(concrete)
+    assert any("read as loop invariants" in note for note in model.notes)
+    enters = [n for n in model.graph_def.node if n.op == "Enter" and n.input[0] == "Tanh"]
+    assert len(enters) == 2 and all(n.attr["is_constant"].b for n in enters)  # the loop's and its gradient's
+    peak = api.analyze(api.prepare(model)).peak_bytes
+    fitted = tf2.rewrite(concrete, gpu_mem=peak - (3 << 19), reserve=0.0)  # 1.5 MiB under the peak
+    into_loop = [s for s in fitted.plan.swaps if s.tensor == "Tanh:0"
+                 and any(c in {n.name for n in enters} for g in s.swap_ins for c in g.consumers)]
+    assert into_loop, fitted.plan.swaps
+    start = [w.numpy() for w in weights]
+    feeds = [rng.standard_normal((1024, 256)).astype(np.float32) for _ in range(3)]
+    runs = []
+    for run in (step, fitted):
+        for w, value in zip(weights, start):
+            w.assign(value)
+        runs.append(([float(run(x)) for x in feeds], [w.numpy() for w in weights]))
+    assert runs[0][0] == runs[1][0] and runs[0][0][0] > 0
+    assert all(np.array_equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
