@@ -68,8 +68,11 @@ SERIES = {
 SEARCHED = ("noswap", "lower-bound", "grappler-swap", "grappler-heur", "tflms", "lms")
 # "grappler": every figure is Grappler's estimate (the main table's judge). "executor": lms's
 # executor model (what a real run allocates, checked on the stand-in): the original's peak as
-# TensorFlow runs it and the executor lower bound only (``--judge executor``).
+# TensorFlow runs it, the executor lower bound and lms's own plans, judged by that model
+# (``--judge executor``; Grappler's optimizer and the TFLMS-style search are Grappler-judged only).
 JUDGE = "grappler"
+GRAPPLER_CONTENDERS = {"grappler": ("grappler-swap", "grappler-heur"), "executor": ()}
+LMS_CONTENDERS = {"grappler": ("lms", "tflms"), "executor": ("lms",)}
 MAX_EVALS = 8
 
 
@@ -200,8 +203,12 @@ class SeriesRun:
             try:
                 result = api.tune(prepared, api.make_device(gpu_mem=budget, reserve=0.0),
                                   api.TuneOptions(strategy=contender))
-                fits = bool(result.plan.grappler["fits"])
-                out = (fits, int(result.plan.grappler["peak_bytes"]), None if fits else "judged over the budget")
+                if JUDGE == "executor":  # the plan's peak as TensorFlow runs the rewrite, by the executor model
+                    peak = int(result.plan.predicted.get("run_peak_bytes") or result.result.peak_bytes)
+                else:
+                    peak = int(result.plan.grappler["peak_bytes"])
+                fits = peak <= budget if JUDGE == "executor" else bool(result.plan.grappler["fits"])
+                out = (fits, peak, None if fits else "judged over the budget")
             except LmsError as exc:
                 out = (False, None, reason(exc))
         p.results[key] = out
@@ -293,12 +300,10 @@ class SeriesRun:
         res["lower-bound"] = self.search(lo, hi, lambda v: self.lower_bound(v) <= budget,
                                          lambda lo, hi: inverse(lbs(), budget, s.exponent))
         ceiling = res["lower-bound"][0]
-        if JUDGE == "executor":
-            return res
 
         # Grappler's optimizer: interpolate its judged peak at this budget (the original's
         # estimate, scaled, until it has two points of its own)
-        for c in ("grappler-swap", "grappler-heur"):
+        for c in GRAPPLER_CONTENDERS[JUDGE]:
             def grappler_proposal(lo, hi, c=c):
                 own = {v: r[1] for v, r in self._known((c, budget)).items() if r[1]}
                 if len(own) >= 2:
@@ -319,7 +324,7 @@ class SeriesRun:
         # ratio rho >= 1 of the lower bound; each probe narrows rho, and the next size is where the
         # lower bound is budget / rho. lms first tries the lower bound itself (or the rho it reached at the
         # previous budget), tflms where lms ended.
-        for c in ("lms", "tflms"):
+        for c in LMS_CONTENDERS[JUDGE]:
             known = self._known((c, budget))
             lo = max([v for v, r in known.items() if r[0]] + ([floor] if floor else []), default=None)
             if ceiling is None or (lo is not None and ceiling <= lo):
@@ -350,6 +355,8 @@ class SeriesRun:
         # Where a search stopped within the tolerance, each of the two is tried at the other's
         # largest size, so that a difference between them is a measured one.
         for a, b in (("lms", "tflms"), ("tflms", "lms")):
+            if a not in res or b not in res:
+                continue
             va, vb, hi_a = res[a][0], res[b][0], res[a][3]
             if vb is None or (va is not None and vb <= va) or (hi_a is not None and hi_a <= vb):
                 continue
@@ -362,12 +369,12 @@ class SeriesRun:
                 found[3] = vb
             found[1] = found[3] is None or found[3] - found[0] <= max(s.step, s.tolerance * found[0])
             res[a] = tuple(found)
-        for c in ("lms", "tflms"):
+        for c in LMS_CONTENDERS[JUDGE]:
             first_fail = res[c][3]
             if first_fail is not None and (c, budget) in self.probe(first_fail).results:
                 why = self.probe(first_fail).results[(c, budget)][2]
                 beaten = any(res[o][0] is not None and res[o][0] >= first_fail
-                             for o in ("grappler-swap", "grappler-heur", "tflms", "lms") if o != c)
+                             for o in ("grappler-swap", "grappler-heur", "tflms", "lms") if o != c and o in res)
                 if c == "lms" and beaten and why and why != "judged over the budget":
                     why = diagnose_lms(self.prepared(first_fail), budget, why)
                 res[c] = res[c] + (why,)
@@ -401,8 +408,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", required=True, help="where to write the results")
     parser.add_argument("--judge", choices=("grappler", "executor"), default="grappler",
-                        help="grappler: Grappler's estimate judges every contender; executor: lms's executor model, "
-                             "no swapping and the lower bound only")
+                        help="grappler: Grappler's estimate judges every contender; executor: lms's executor model "
+                             "judges no swapping, the lower bound and lms's plans")
     args = parser.parse_args(argv)
     global JUDGE
     JUDGE = args.judge
