@@ -142,6 +142,21 @@ def test_the_guard_names_a_stack_whose_move_changes_grapplers_work():
     assert [h.stack for h in optguard.without(plan, tensors, ()).host_stacks] == ["t"]
 
 
+def test_a_swap_its_waiter_alone_involves_gives_up_the_waiter_not_the_tensor():
+    """A control input from a swap-out into a waiter can change Grappler's optimizations near that
+    waiter (a TensorFlow 2 step's stand-in plan: both its swaps were left out, and no plan found at
+    60 MiB where one trains); asked, the guard names the waiter, and the planner picks another."""
+    from lmscli.plan.document import PlannedSwap, PlannedSwapIn
+
+    swap = PlannedSwap("a:0", 8, (), (PlannedSwapIn(("c",), "t"),), waiters=("w",))
+    plan = replace(_bare(), swaps=(swap, replace(swap, tensor="b:0", waiters=("c",))))
+    waiters: set = set()
+    assert optguard.culprits(plan, frozenset({"w"}), waiters) == ((), ()) and waiters == {"w"}
+    assert optguard.culprits(plan, frozenset({"w"})) == (("a:0",), ())  # (not asked: the tensor)
+    waiters = set()  # an op that also reads the swap-in: the tensor is the culprit
+    assert optguard.culprits(plan, frozenset({"c"}), waiters) == (("a:0", "b:0"), ()) and not waiters
+
+
 def _bare() -> Plan:
     return Plan(model="m", graph_sha256="0", fetches=(), batch_size=None, device={}, strategy="swap", parameters={},
                 swaps=())

@@ -313,6 +313,12 @@ def test_a_fused_kernels_root_never_waits_for_a_swap_out(samples):
     waiters = {w for s in result.plan.swaps for w in s.waiters} | {
         g.landing for s in result.plan.swaps for g in s.swap_ins if g.landing}
     assert waiters and not waiters & roots
+    roomy = api.make_device(gpu_mem=int(facts.lower_bound_bytes + 0.85 * (facts.peak_bytes - facts.lower_bound_bytes)),
+                            reserve=0.0, link=STAND_IN_LINK)
+    first = tune(waited, roomy, TuneOptions(strategy="swap"))
+    banned = frozenset(w for s in first.plan.swaps for w in s.waiters)  # as the guard can ask
+    again = tune(waited, roomy, TuneOptions(strategy="swap", no_wait=banned))
+    assert banned and again.plan.swaps and not {w for s in again.plan.swaps for w in s.waiters} & banned
     before = tune(replace(waited, optimized=prepared.optimized), device, TuneOptions(strategy="swap"))
     assert {w for s in before.plan.swaps for w in s.waiters} & roots  # (without the staged fusion, they may)
 

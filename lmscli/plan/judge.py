@@ -73,10 +73,12 @@ def _breaking(prepared: Prepared, plan: Plan) -> tuple[str, ...]:
     return tuple(found)
 
 
-def optimizer_culprits(prepared: Prepared, plan: Plan, rewritten, optimized=None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def optimizer_culprits(prepared: Prepared, plan: Plan, rewritten, optimized=None,
+                       waiters: set | None = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The swapped tensors and serialized ops of ``plan`` that make Grappler's default
     optimizations treat ``rewritten`` differently from the original (see :mod:`lmscli.plan.optguard`).
-    ``optimized``: what those optimizations make of ``rewritten``, if already known."""
+    ``optimized``: what those optimizations make of ``rewritten``, if already known. ``waiters``:
+    a set to receive the waiters that alone involve a swap (see :func:`optguard.culprits`)."""
     from lmscli import grappler
     from lmscli.plan import optguard
 
@@ -92,8 +94,8 @@ def optimizer_culprits(prepared: Prepared, plan: Plan, rewritten, optimized=None
     if not names:
         return (), ()
     for hops in range(GUARD_HOPS + 1):  # the nearest swaps first
-        found = optguard.culprits(plan, optguard.around(prepared.view, names, hops))
-        if found[0] or found[1]:
+        found = optguard.culprits(plan, optguard.around(prepared.view, names, hops), waiters)
+        if found[0] or found[1] or waiters:
             return found
     return (), ()
 

@@ -140,18 +140,22 @@ def around(view, names, hops: int) -> frozenset:
     return frozenset(names) | {view.names[i] for i in seen}
 
 
-def culprits(plan, names: frozenset) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def culprits(plan, names: frozenset, waiters: set | None = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``(tensors, ops)``: the swapped tensors whose producer, rewired consumers, waiters or
     triggers are among ``names``, the recomputed tensors whose cloned ops, rewired consumers or
-    triggers are, and the serialized ops among them."""
+    triggers are, and the serialized ops among them. Given a set ``waiters``, a swap that only
+    its waiters involve is not a culprit: those ops go into ``waiters`` (a control input into
+    them changed Grappler's optimizations; another op can wait for the swap-out)."""
     tensors = []
     for swap in plan.swaps:
-        producer = parse_input(swap.tensor)[0]
-        touched = {producer, *swap.waiters, *(swap.near if swap.sync_out else ())}
+        others = {parse_input(swap.tensor)[0], *(swap.near if swap.sync_out else ())}
         for group in swap.swap_ins:
-            touched.update(group.consumers)
-            touched.add(group.trigger)
-        if touched & names:
+            others.update(group.consumers)
+            others.add(group.trigger)
+        hit = (others | set(swap.waiters)) & names
+        if waiters is not None and hit and not hit & others:
+            waiters.update(hit)
+        elif hit:
             tensors.append(swap.tensor)
     for rec in plan.recomputes:
         touched = set(rec.ops)

@@ -71,6 +71,7 @@ class TuneOptions:
     tflms: TflmsParams | None = None  # given: skip the search and apply these parameters
     sync_mode: int = 0  # tflms search: the sync_mode to start from
     forbidden: frozenset = frozenset()  # tensors ("node:output") never to swap (the optimizer guard's)
+    no_wait: frozenset = frozenset()  # ops never to wait for a swap-out (the optimizer guard's)
     serial_loops: bool = True  # a plan runs loops with parallel iterations one iteration at a time
 
 
@@ -102,7 +103,8 @@ class TuneResult:
 class _Context:
     """Per-tuning lookups over the schedule: predecessors by position, trigger eligibility."""
 
-    def __init__(self, prepared: Prepared, device: Device, filters: Filters, forbidden: frozenset = frozenset()):
+    def __init__(self, prepared: Prepared, device: Device, filters: Filters, forbidden: frozenset = frozenset(),
+                 no_wait: frozenset = frozenset()):
         self.prepared = prepared
         self.view = prepared.view
         self.schedule: Schedule = prepared.schedule
@@ -127,6 +129,7 @@ class _Context:
         self.can_land_at = [ok and landing_safe(self.view, sched, k, fused) and not self.fusion_root[k]
                             for k, ok in enumerate(self.can_edge)]
         self.absorbed = [absorbed(self.view, node, fused) for node in sched.nodes]
+        self.no_wait = [name in no_wait for name in sched.names]
         self._triggers = [k for k, ok in enumerate(self.can_trigger) if ok]
         self.entry_cap = _entry_caps(self.view, sched, self.preds)
         self._index_candidates()
@@ -216,9 +219,10 @@ class _Context:
         """May the op at ``p`` wait for the swap-out of tensor ``tid``? Not an activation the
         remapper fuses into its producer (:func:`lmscli.plan.candidates.absorbed`), nor the root of a
         fused kernel (:func:`lmscli.plan.candidates.remapped`): a control input into either stops
-        that fusion, and the guard would then forbid the tensor. The swap-out runs in the
-        branches of the tensor (:meth:`tensor_tags`), which ``p`` must run in too."""
-        return (self.can_edge[p] and not self.absorbed[p] and not self.fusion_root[p]
+        that fusion, and the guard would then forbid the tensor; nor an op the guard found
+        changing Grappler's optimizations as a waiter (:attr:`TuneOptions.no_wait`). The swap-out
+        runs in the branches of the tensor (:meth:`tensor_tags`), which ``p`` must run in too."""
+        return (self.can_edge[p] and not self.absorbed[p] and not self.fusion_root[p] and not self.no_wait[p]
                 and branch_safe(self.tensor_tags(tid), self.tags[p]))
 
     def waiter(self, p: int, tid: int, near: tuple[int, ...] = ()) -> int | None:
@@ -1053,7 +1057,7 @@ def _with_host_stacks(prepared: Prepared, device: Device, options: TuneOptions, 
 def _tune_on(prepared: Prepared, device: Device, options: TuneOptions, margin: int, log: list[str],
              host_stacks=()) -> TuneResult:
     """A plan for ``prepared.schedule`` (in which ``host_stacks`` already live on the host)."""
-    ctx = _Context(prepared, device, options.filters, options.forbidden)
+    ctx = _Context(prepared, device, options.filters, options.forbidden, options.no_wait)
     sched = ctx.schedule
     baseline = ctx.simulate(())
     budget = device.budget

@@ -213,6 +213,7 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
 
     margins: dict[str, int] = {}
     forbidden: set[str] = set()
+    no_wait: set[str] = set()
     start = _run_margin(prepared, device, options)
     if start:
         margins[prepared.schedule.device] = start
@@ -255,17 +256,20 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
             from lmscli import grappler
 
             optimized = grappler.optimize(meta, prepared.model.fetches)
-        tensors, _ops = optimizer_culprits(prepared, result.plan, meta, optimized) if guard else ((), ())
-        if tensors:
+        waiting: set[str] = set()  # ops whose waiting alone changed Grappler's optimizations
+        tensors, _ops = optimizer_culprits(prepared, result.plan, meta, optimized, waiting) if guard else ((), ())
+        if tensors or waiting:
             forbidden.update(tensors)
+            no_wait.update(waiting)
             guard_rounds += 1
             if search.found and timing.out_of_time():  # a judged, guarded plan is at hand: settle for it
                 search.timed_out = True
                 result = search.settle(rounds)
                 continue
             if guard_rounds <= GUARD_ROUNDS:  # plan again without them ...
-                timing.step(f"round {rounds}: {len(tensors)} swap(s) change Grappler's optimizations; replanning")
-                options = replace(options, forbidden=frozenset(forbidden))
+                timing.step(f"round {rounds}: {len(tensors) + len(waiting)} swap(s) or waiter(s) change Grappler's "
+                            "optimizations; replanning")
+                options = replace(options, forbidden=frozenset(forbidden), no_wait=frozenset(no_wait))
                 try:
                     result = plan_tune(prepared, device, options, margin=dict(margins))
                 except NoFitError:
@@ -274,6 +278,8 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
                     result = search.settle(rounds)  # judged and guarded already: settle for it
                 continue
             else:  # ... or, after that many rounds, just drop them from the plan
+                tensors = tuple(tensors) + tuple(s.tensor for s in result.plan.swaps if set(s.waiters) & waiting)
+                forbidden.update(tensors)
                 result = _resimulated(prepared, replace(result, plan=optguard.without(result.plan, tensors, ())))
                 continue
         if (prepared.stand_in is not None and search.found and result.plan.changes and not search.done
