@@ -139,7 +139,7 @@ def test_control_flow_is_found(samples, tmp_path):
     loop, _ = _analyze(samples / "while_rnn.meta")
     assert loop.while_loops >= 1 and loop.conds == 0  # a loop's own Switches are not conds
     # (tf.while_loop runs up to 10 iterations at once; their temporaries are counted for one)
-    assert any("up to 10 iterations of a loop may run at once" in note for note in loop.notes)
+    assert any("up to 10 iterations of this graph's loops may run at once" in note for note in loop.notes)
     cond, _ = _analyze(samples / "cond_cnn.meta")
     assert cond.conds >= 1
     # A cond inside a loop's body (QA: "0 cond switch(es)" for an LSTM with one).

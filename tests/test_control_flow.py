@@ -251,8 +251,9 @@ def test_iterations_running_ahead_hold_their_buffers(samples, tmp_path):
     """A traced step's order shows loop iterations running at once (``parallel_iterations`` 10 in
     the sample): three weight gradients of the RNN's gradient loop made before the first is added
     to its sum hold two 256 KiB buffers more than one iteration does, while the gradients are made
-    and while the sums run; the same ops one iteration at a time hold nothing more, and neither
-    does the graph with ``parallel_iterations`` 1, whatever the order."""
+    and while the sums run (also when the Identity between them, which Grappler removes, never
+    ran); the same ops one iteration at a time hold nothing more, and neither does the graph with
+    ``parallel_iterations`` 1, whatever the order."""
     from tensorflow.core.protobuf import meta_graph_pb2
 
     from lmscli.model.loops import iterations_ahead
@@ -267,6 +268,9 @@ def test_iterations_running_ahead_hold_their_buffers(samples, tmp_path):
     assert iterations_ahead(prepared.view, schedule, racing) == (
         ((made, made, 256 << 10),) * 2 + ((summed, summed, 256 << 10),) * 2)
     assert iterations_ahead(prepared.view, schedule, (grad, passed, add) * 3) == ()
+    # Grappler removes the Identity from the graph TensorFlow runs: a reader that never ran
+    assert iterations_ahead(prepared.view, schedule, (grad,) * 3 + (add,) * 3) == (
+        ((made, made, 256 << 10),) * 2 + ((summed, summed, 256 << 10),) * 2)
     meta = meta_graph_pb2.MetaGraphDef()
     meta.CopyFrom(prepared.model.meta_graph)
     for node in meta.graph_def.node:

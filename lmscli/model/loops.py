@@ -162,12 +162,12 @@ def notes(view: GraphView, active, loops: dict[str, Loop]) -> tuple[str, ...]:
     parallel = max((_parallel_iterations(view, i) for i in active if view.frames[i]
                     and view.ops[i] in ("Enter", "RefEnter")), default=1)
     if parallel > 1:
-        out.append(f"up to {parallel} iterations of a loop may run at once (its parallel_iterations): lms's GPU "
-                   "figures count the temporaries of one, so the graph as written can need more on a GPU (a "
-                   "dynamic_rnn GRU: 38 MiB on the stand-in, 20 counting one iteration); the stand-in's figures "
-                   "(--stand-in, lms measure) count what its traced steps showed iterations holding at once (39); "
-                   "lms's plans run such loops one iteration at a time, which computes the same, unless "
-                   "--keep-loop-parallelism")
+        out.append(f"up to {parallel} iterations of this graph's loops may run at once (parallel_iterations): "
+                   "lms's GPU figures count the temporaries of one iteration, so the graph as written can need more "
+                   "on a GPU (for example, a dynamic_rnn GRU lms was tested on needed 38 MiB on the stand-in, 20 "
+                   "counted so); its stand-in figures (--stand-in, lms measure) add what the stand-in's traced steps "
+                   "showed iterations holding at once; lms's plans run such loops one iteration at a time, which "
+                   "computes the same, unless --keep-loop-parallelism")
     return tuple(out)
 
 
@@ -335,7 +335,8 @@ def _held_ahead(schedule, order, readers: dict, position: dict, best: dict) -> N
     for root, positions in sorted(readers.items()):
         t = schedule.tensors[root]
         made = runs.get(schedule.names[t.producer], [])
-        reads = [runs.get(schedule.names[c], []) for c in sorted(positions)]
+        # (a reader that never ran is an op Grappler removed, an Identity of the graph as written)
+        reads = [r for r in (runs.get(schedule.names[c], []) for c in sorted(positions)) if r]
         if len(made) < 2 or not reads or any(len(r) != len(made) for r in reads):
             continue
         ends = [max(r[k] for r in reads) for k in range(len(made))]
