@@ -475,7 +475,8 @@ def test_a_plan_running_loops_one_iteration_at_a_time_drops_what_iterations_ahea
     """On the stand-in the RNN's prediction counts what its loops' iterations running at once held
     in the traced steps (ten 256 KiB weight gradients in its gradient loop); a plan runs such
     loops one iteration at a time (the default) and is planned without them, or with them under
-    --keep-loop-parallelism."""
+    --keep-loop-parallelism. A plan of serial loops says what the graph as written needs with
+    them (QA: its report compared only with the serial figure)."""
     from lmscli.plan.planner import TuneOptions, tune
 
     prepared = api.for_stand_in(api.prepare(api.load(str(SAMPLES / "stack_rnn.meta"))), stand_in=stand_in)
@@ -484,3 +485,5 @@ def test_a_plan_running_loops_one_iteration_at_a_time_drops_what_iterations_ahea
     serial = tune(prepared, device, TuneOptions())
     parallel = tune(prepared, device, TuneOptions(serial_loops=False))
     assert parallel.baseline.peak_bytes > serial.baseline.peak_bytes
+    plan = tune(prepared, api.make_device(gpu_mem="20MiB", reserve=0.0), TuneOptions()).plan  # loops made serial
+    assert plan.serial_loops and plan.predicted["peak_bytes_with_parallel_loops"] > plan.predicted["peak_bytes_without_plan"]

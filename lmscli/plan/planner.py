@@ -958,9 +958,16 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
     (``margin`` may then map GPU names to margins), merged into one plan."""
     if options.serial_loops and any(s.ahead for s in (prepared.schedule, *prepared.schedules)):
         # The plan runs its loops one iteration at a time: what iterations running ahead held in a
-        # traced step of the original (Schedule.ahead) is not there.
+        # traced step of the original (Schedule.ahead) is not there. The report says what the
+        # original needs with them.
+        parallel = simulate(prepared.schedule, (), device.link_bandwidth, detail=False).peak_bytes
         prepared = replace(prepared, schedule=replace(prepared.schedule, ahead=()),
                            schedules=tuple(replace(s, ahead=()) for s in prepared.schedules))
+        result = tune(prepared, device, options, margin)
+        if result.plan.serial_loops:
+            result = replace(result, plan=replace(result.plan, predicted=dict(
+                result.plan.predicted, peak_bytes_with_parallel_loops=parallel)))
+        return result
     if len(prepared.schedules) > 1:
         return _tune_each_gpu(prepared, device, options, margin)
     if isinstance(margin, dict):

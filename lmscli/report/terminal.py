@@ -223,8 +223,11 @@ def render_tune(console: Console, result, details: dict | None = None) -> None:
                   f"({format_size(sum(h.bytes for h in plan.host_stacks))} kept off the GPU; their pushes and pops "
                   f"copy {format_size(pred.get('stack_copy_bytes', 0) // 2)} each way per step)")
     if plan.serial_loops:
+        parallel = pred.get("peak_bytes_with_parallel_loops")
         t.add_row("serial loops", f"{len(plan.serial_loops)} while loop(s) run one iteration at a time "
-                  "(parallel_iterations 1, as the prediction counts them; --keep-loop-parallelism leaves them)")
+                  "(parallel_iterations 1, as the prediction counts them; --keep-loop-parallelism leaves them)"
+                  + (f"; the graph as written, its iterations running at once as the stand-in's traced steps "
+                     f"showed, needs {format_size(parallel)}" if parallel else ""))
     t.add_row("host memory (pinned)", format_size(pred["host_peak_bytes"]))
     if pred["host_peak_bytes"] > dev["host_mem_bytes"]:
         t.add_row("", f"[yellow]warning: more than --host-mem {format_size(dev['host_mem_bytes'])}[/]")
