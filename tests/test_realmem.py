@@ -412,6 +412,7 @@ def test_a_no_plan_answer_after_turned_down_runs_names_them_and_the_bound(sample
     null in the JSON document)."""
     from lmscli.errors import NoFitError
     from lmscli.plan.tuning import _RunSearch, _with_bound
+    from lmscli.units import format_size
 
     search = _RunSearch(budget=30 * MIB, margin=0)
     search.rounds, search.note = 3, "out of memory under 36 MiB while running the step: allocating 1 MiB for x failed"
@@ -428,6 +429,7 @@ def test_a_no_plan_answer_after_turned_down_runs_names_them_and_the_bound(sample
     bare = _with_bound(NoFitError("turned down"), prepared)
     bound = api.analyze(prepared)
     assert (bare.bound_bytes, bare.binding_op) == (bound.lower_bound_bytes, bound.lower_bound_op)
+    assert str(bare) == f"turned down; no plan can fit under the lower bound, {format_size(bound.lower_bound_bytes)}"
 
 
 def test_verify_knows_a_rewrite_planned_for_the_stand_in():

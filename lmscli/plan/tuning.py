@@ -53,7 +53,7 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
 def _with_bound(exc: NoFitError, prepared: Prepared) -> NoFitError:
     """``exc`` with the step's lower bound (and, when it names none, the op that sets it) filled in
     where it has none: every no-plan answer carries them (QA: a plan the stand-in's runs turned
-    down gave ``lower_bound_bytes: null``)."""
+    down gave ``lower_bound_bytes: null``), in the message too."""
     if exc.bound_bytes is not None:
         return exc
     from lmscli.analysis import analyze
@@ -61,6 +61,10 @@ def _with_bound(exc: NoFitError, prepared: Prepared) -> NoFitError:
     found = analyze(prepared)
     exc.bound_bytes = found.lower_bound_bytes
     exc.binding_op = exc.binding_op or found.lower_bound_op
+    text = str(exc)
+    if "lower bound" not in text:  # ... and says it (QA: only "try a slightly larger --gpu-mem")
+        head, sep, advice = text.partition("; try ")
+        exc.args = (f"{head}; no plan can fit under the lower bound, {format_size(exc.bound_bytes)}{sep}{advice}",)
     return exc
 
 
