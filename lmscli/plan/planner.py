@@ -963,11 +963,16 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
         parallel = simulate(prepared.schedule, (), device.link_bandwidth, detail=False).peak_bytes
         prepared = replace(prepared, schedule=replace(prepared.schedule, ahead=()),
                            schedules=tuple(replace(s, ahead=()) for s in prepared.schedules))
-        result = tune(prepared, device, options, margin)
+        result = _tune(prepared, device, options, margin)
         if result.plan.serial_loops:
             result = replace(result, plan=replace(result.plan, predicted=dict(
                 result.plan.predicted, peak_bytes_with_parallel_loops=parallel)))
         return result
+    return _tune(prepared, device, options, margin)
+
+
+def _tune(prepared: Prepared, device: Device, options: TuneOptions, margin) -> TuneResult:
+    """:func:`tune` of a step whose schedules count what runs."""
     if len(prepared.schedules) > 1:
         return _tune_each_gpu(prepared, device, options, margin)
     if isinstance(margin, dict):
