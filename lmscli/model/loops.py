@@ -264,10 +264,10 @@ CARRIERS = frozenset({"Merge", "RefMerge", "NextIteration", "RefNextIteration", 
 def iterations_ahead(view: GraphView, schedule, *orders) -> tuple[tuple[int, int, int], ...]:
     """What iterations of loops running at once held beyond one iteration, as traced steps show it:
     each of ``orders``, the names of the ops a step started, one entry per run (a loop body's ops
-    once per iteration); the most any of them shows. For each loop whose ``parallel_iterations`` is above 1 (``schedule``, an
-    executor-model schedule of that step, counts one iteration in flight), each buffer one of its
-    ops makes lives in iteration k from the op's k-th start to the k-th start of the last of its
-    readers in the loop. While each op ran (loops run side by side: a bidirectional RNN's two), some
+    once per iteration); the most any of them shows. For each loop whose ``parallel_iterations``
+    is above 1 (``schedule``, an executor-model schedule of that step, counts one iteration in
+    flight), each buffer one of its ops makes lives in iteration k from the op's k-th start to the
+    k-th start of the last of its readers in the loop. While each op ran (loops run side by side: a bidirectional RNN's two), some
     buffers were live for more than one iteration at once; at the run of that op when those extra
     buffers took the most bytes, each is one allocation held while the op runs: ``(position,
     position, bytes)`` per allocation, sorted.
