@@ -104,3 +104,19 @@ def v1_training_graph(path, learning_rate: float = 0.1):
     finally:
         if was:
             v1.enable_control_flow_v2()
+
+
+def trained_alike(steps, variables, feeds, output=lambda out: out) -> list:
+    """Each of ``steps`` (callables) run on ``feeds`` (argument tuples), each from the variables'
+    values as they are now: per step, (the bytes of ``output`` of each call, the bytes of the
+    variables after). Two steps that train alike give equal entries."""
+    import numpy as np
+
+    start = [v.numpy() for v in variables]
+    runs = []
+    for step in steps:
+        for v, value in zip(variables, start):
+            v.assign(value)
+        runs.append(([np.asarray(output(step(*args))).tobytes() for args in feeds],
+                     [v.numpy().tobytes() for v in variables]))
+    return runs

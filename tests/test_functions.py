@@ -17,7 +17,7 @@ from lmscli import api
 from lmscli.graph import inline
 from lmscli.model import loops
 from lmscli.prove import steps
-from tests.conftest import graph_def_from_nodes, invoke
+from tests.conftest import graph_def_from_nodes, invoke, trained_alike
 
 CALLS = {"PartitionedCall", "StatefulPartitionedCall"}
 
@@ -183,13 +183,8 @@ def test_a_tf2_step_calling_nested_functions_is_rewritten_and_runs_back():
     spec = tf.TensorSpec([1024, 128])
     fitted = tf2.rewrite(step.get_concrete_function(spec), gpu_mem="60%", reserve=0.0)
     assert fitted.plan.swaps and all("PartitionedCall" in s.tensor for s in fitted.plan.swaps), fitted.plan.swaps
-    start = [w.numpy() for w in weights]
-    batches = [rng.standard_normal((1024, 128)).astype(np.float32) for _ in range(2)]
-    runs = []
-    for run in (step, fitted):
-        for w, value in zip(weights, start):
-            w.assign(value)
-        runs.append(([run(x).numpy().tobytes() for x in batches], [w.numpy().tobytes() for w in weights]))
+    batches = [(rng.standard_normal((1024, 128)).astype(np.float32),) for _ in range(2)]
+    runs = trained_alike((step, fitted), weights, batches)
     assert runs[0] == runs[1]
 
 
@@ -292,11 +287,6 @@ def test_a_tf2_step_with_a_cond_and_a_loop_is_rewritten_and_runs_back():
     concrete = step.get_concrete_function(tf.TensorSpec([1024, 128]), tf.TensorSpec([], tf.bool))
     fitted = tf2.rewrite(concrete, gpu_mem="90%", reserve=0.0)
     assert fitted.plan.swaps and any("lowered" in note for note in fitted.model.notes)
-    start = [w.numpy() for w in weights]
-    feeds = [(rng.standard_normal((1024, 128)).astype(np.float32), p) for p in (True, False, True)]
-    runs = []
-    for run in (step, fitted):
-        for w, value in zip(weights, start):
-            w.assign(value)
-        runs.append(([run(x, tf.constant(p)).numpy().tobytes() for x, p in feeds], [w.numpy().tobytes() for w in weights]))
+    feeds = [(rng.standard_normal((1024, 128)).astype(np.float32), tf.constant(p)) for p in (True, False, True)]
+    runs = trained_alike((step, fitted), weights, feeds)
     assert runs[0] == runs[1]

@@ -12,7 +12,7 @@ import pytest
 from lmscli import tf2
 from lmscli.errors import InputError
 from lmscli.emit.rewriter import is_lms_node
-from tests.conftest import ROOT
+from tests.conftest import ROOT, trained_alike
 
 
 def _example():
@@ -72,16 +72,10 @@ def test_a_keras_step_with_batch_norm_dropout_and_adam_is_rewritten_and_runs_bac
     batches = [(rng.standard_normal(specs[0].shape).astype(np.float32),
                 np.eye(5, dtype=np.float32)[rng.integers(0, 5, 8)]) for _ in range(3)]
     variables = list(model.variables) + list(optimizer.variables)
-    start = [v.numpy() for v in variables]
-    runs = []
-    for run in (step, fitted):
-        for v, value in zip(variables, start):
-            v.assign(value)
-        losses = [float(run(x, y)["loss"]) for x, y in batches]
-        runs.append((losses, [v.numpy() for v in variables]))
-    assert runs[0][0] == runs[1][0]
-    assert all(np.array_equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
-    assert not all(np.array_equal(a, b) for a, b in zip(start, runs[1][1]))  # it trained
+    start = [v.numpy().tobytes() for v in variables]
+    runs = trained_alike((step, fitted), variables, batches, output=lambda out: out["loss"])
+    assert runs[0] == runs[1]
+    assert runs[1][1] != start  # it trained
 
 
 def test_the_step_as_lms_sees_it_has_the_variables_and_updates():
@@ -170,12 +164,6 @@ def test_a_value_a_loop_and_its_gradient_read_is_swapped_around_the_gradient_loo
     into_loop = [s for s in fitted.plan.swaps if s.tensor == "Tanh:0"
                  and any(c in {n.name for n in enters} for g in s.swap_ins for c in g.consumers)]
     assert into_loop, fitted.plan.swaps
-    start = [w.numpy() for w in weights]
-    feeds = [rng.standard_normal((1024, 256)).astype(np.float32) for _ in range(3)]
-    runs = []
-    for run in (step, fitted):
-        for w, value in zip(weights, start):
-            w.assign(value)
-        runs.append(([float(run(x)) for x in feeds], [w.numpy() for w in weights]))
-    assert runs[0][0] == runs[1][0] and runs[0][0][0] > 0
-    assert all(np.array_equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    feeds = [(rng.standard_normal((1024, 256)).astype(np.float32),) for _ in range(3)]
+    runs = trained_alike((step, fitted), weights, feeds)
+    assert runs[0] == runs[1] and np.frombuffer(runs[0][0][0], np.float32)[0] > 0
