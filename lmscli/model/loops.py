@@ -229,10 +229,7 @@ def overlap_bytes(view: GraphView, schedule) -> int:
     every loop runs one iteration at a time."""
     from lmscli.model.schedule import STORAGE_OUTPUT
 
-    parallel: dict[str, int] = {}
-    for i in range(view.size):
-        if view.ops[i] in ("Enter", "RefEnter") and view.frames[i]:
-            parallel[view.frames[i]] = max(parallel.get(view.frames[i], 1), _parallel_iterations(view, i))
+    parallel = _frame_parallelism(view)
     if all(p <= 1 for p in parallel.values()):
         return 0
     per_iteration: dict[str, int] = {}
@@ -285,20 +282,10 @@ def iterations_ahead(view: GraphView, schedule, *orders) -> tuple[tuple[int, int
     from lmscli.model.memmodel import roots
     from lmscli.model.schedule import STORAGE_OUTPUT
 
-    parallel: dict[str, int] = {}
-    for i in range(view.size):
-        if view.ops[i] in ("Enter", "RefEnter") and view.frames[i]:
-            parallel[view.frames[i]] = max(parallel.get(view.frames[i], 1), _parallel_iterations(view, i))
-    frames = {f for f, p in parallel.items() if p > 1}
+    frames = {f for f, p in _frame_parallelism(view).items() if p > 1}
     if not frames or not any(orders) or not schedule.shares:
         return ()
     frame_at = [view.frames[node] for node in schedule.nodes]
-    span: dict[str, list[int]] = {}
-    for k, frame in enumerate(frame_at):
-        if frame in frames:
-            span.setdefault(frame, [k, k])[1] = k
-    if not span:
-        return ()
     readers: dict[int, set[int]] = {}  # buffer (root tensor) -> positions reading it in its loop
     root_of = roots(schedule)
     for t in schedule.tensors:
@@ -306,7 +293,7 @@ def iterations_ahead(view: GraphView, schedule, *orders) -> tuple[tuple[int, int
         if root < 0:
             continue
         frame = frame_at[schedule.tensors[root].producer]
-        if (frame not in span or schedule.tensors[root].output == STORAGE_OUTPUT
+        if (frame not in frames or schedule.tensors[root].output == STORAGE_OUTPUT
                 or schedule.ops[schedule.tensors[root].producer] in ELEMENT_READS):
             continue
         readers.setdefault(root, set()).update(c for c in t.consumers
@@ -367,6 +354,15 @@ def _note_running(best: dict, k: int | None, extra: int, count: dict) -> None:
     runs per buffer then (``count``: iterations each buffer was live for)."""
     if k is not None and extra > best.get(k, (0, None))[0]:
         best[k] = (extra, {r: n - 1 for r, n in count.items() if n > 1})
+
+
+def _frame_parallelism(view: GraphView) -> dict[str, int]:
+    """Per while-loop frame, its ``parallel_iterations`` (the largest its ``Enter`` ops carry)."""
+    parallel: dict[str, int] = {}
+    for i in range(view.size):
+        if view.ops[i] in ("Enter", "RefEnter") and view.frames[i]:
+            parallel[view.frames[i]] = max(parallel.get(view.frames[i], 1), _parallel_iterations(view, i))
+    return parallel
 
 
 def _parallel_iterations(view: GraphView, enter: int) -> int:

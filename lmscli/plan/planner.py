@@ -960,11 +960,12 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
         # The plan runs its loops one iteration at a time: what iterations running ahead held in a
         # traced step of the original (Schedule.ahead) is not there. The report says what the
         # original needs with them.
-        parallel = simulate(prepared.schedule, (), device.link_bandwidth, detail=False).peak_bytes
-        prepared = replace(prepared, schedule=replace(prepared.schedule, ahead=()),
-                           schedules=tuple(replace(s, ahead=()) for s in prepared.schedules))
-        result = _tune(prepared, device, options, margin)
+        written = prepared.schedule
+        result = _tune(replace(prepared, schedule=replace(written, ahead=()),
+                               schedules=tuple(replace(s, ahead=()) for s in prepared.schedules)),
+                       device, options, margin)
         if result.plan.serial_loops:
+            parallel = simulate(written, (), device.link_bandwidth, detail=False).peak_bytes
             result = replace(result, plan=replace(result.plan, predicted=dict(
                 result.plan.predicted, peak_bytes_with_parallel_loops=parallel)))
         return result

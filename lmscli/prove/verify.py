@@ -150,9 +150,8 @@ def _figures(model, fetches, batch_size, measure: bool, notes: list, label: str,
         notes.extend(f"{label}: {n}" for n in measured.notes)
         low = min(m.peak_bytes for m in measurements)
         if measured.peak_bytes > low * 1.05:
-            from lmscli.units import format_size
-
             from lmscli.model.loops import parallel_loops
+            from lmscli.units import format_size
 
             parallel = parallel_loops(prepared.view, prepared.view.names)
             why = ("the executor runs a while loop's iterations, up to its parallel_iterations at once, in an order "
