@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from lmscli.plan.candidates import fused_edge
 from lmscli.graph.graphview import CONTROL_FLOW_OPS, VARIABLE_OPS, GraphView
+from lmscli.graph.opdefs import StatefulOps
 from lmscli.model.memmodel import FORWARDING_OPS, IN_PLACE_OPS, RESIDENT
 from lmscli.model.schedule import CONSTANT_OPS, Schedule
 
@@ -66,7 +67,7 @@ def recipes(view: GraphView, schedule: Schedule, cands, fused: frozenset = froze
     pos_of = {node: k for k, node in enumerate(schedule.nodes)}
     tensor_of = {(t.producer, t.output): t.id for t in schedule.tensors}
     stateless = _stateless_ops({view.ops[node] for node in schedule.nodes})
-    stateful = _StatefulOps()
+    stateful = StatefulOps()
     out: dict[int, tuple[Recipe, ...]] = {}
 
     def allowed(node: int) -> bool:
@@ -194,21 +195,6 @@ def _writers(view: GraphView, variable: int, stateful) -> list[int]:
 
 
 _READS = frozenset({"ReadVariableOp", "VarIsInitializedOp", "IsVariableInitialized", "VariableShape"})
-
-
-class _StatefulOps:
-    """``stateful(op)``: TensorFlow's registry says ``op`` is stateful (unknown ops count as such)."""
-
-    def __init__(self):
-        self._known: dict[str, bool] = {}
-
-    def __call__(self, op: str) -> bool:
-        if op not in self._known:
-            from tensorflow.python.framework import op_def_registry
-
-            op_def = op_def_registry.get(op)
-            self._known[op] = op_def is None or op_def.is_stateful
-        return self._known[op]
 
 
 def _stateless_ops(ops) -> frozenset:
