@@ -76,11 +76,11 @@ class Prepared:
             schedules = tuple(replace(s, waited_sends=True) for s in self.schedules)
             chosen = replace(self.schedule, waited_sends=True)
             return replace(self, schedule=chosen, schedules=schedules).with_scratch(scratch or {})
-        from lmscli.model.loops import iterations_ahead
+        from lmscli.model.loops import running_ahead
 
         schedules = tuple(replace(s.without(self.dead | self.untaken), waited_sends=True) for s in build_schedules(
             self.view, self.model.fetches, trace=trace, memory_model=self.schedule.memory_model))
-        schedules = tuple(replace(s, ahead=iterations_ahead(self.view, s, order, *orders)) for s in schedules)
+        schedules = tuple(running_ahead(s, self.view, order, *orders) for s in schedules)
         chosen = next((s for s in schedules if s.device == self.schedule.device), schedules[0])
         seen = replace(self, schedule=chosen, schedules=schedules, observed_order=tuple(order),
                        observed_micros=dict(micros or {}), observed_orders=tuple(orders))
@@ -101,7 +101,8 @@ class Prepared:
 @timed("prepare")
 def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grappler",
             flops: float = 15.7e12, mem_bandwidth: float = 900e9, judge: str = "executor",
-            optimize: bool = True, prune_dead: bool | None = None, known: dict | None = None) -> Prepared:
+            optimize: bool = True, prune_dead: bool | None = None, known: dict | None = None,
+            runtime_folding: bool | None = None) -> Prepared:
     """Infer shapes (applying ``batch_size`` to unknown placeholder batch dims) and build the schedule.
 
     ``cost_model="grappler"`` orders and times ops by Grappler's virtual scheduler on a virtual
@@ -116,6 +117,9 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
     of each v1 cond (:meth:`GraphView.untaken_branches`), as a step runs one. ``known``: tensor
     facts by node name (of the graph as written) for outputs whose size inference leaves unknown
     (Grappler's rewrite of a v1 loop can defeat TensorFlow's shape inference inside it).
+    ``runtime_folding`` (default: under the executor judge): count what TensorFlow's runtime folds
+    into constants when it builds the step's executors (:mod:`lmscli.graph.constfold`): after
+    Grappler on the graph a session runs; on the graph as written, what either of them would fold.
     """
     from lmscli.graph import shapes
 
@@ -172,6 +176,15 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
             i for i in schedule.nodes if view.names[i] not in dead))
         if dead or untaken:
             schedules = tuple(s.without(dead | untaken) for s in schedules)
+            schedule = next(s for s in schedules if s.device == schedule.device)
+    if runtime_folding if runtime_folding is not None else judge == "executor":
+        from lmscli.graph.constfold import runtime_constants
+
+        folded = runtime_constants(view, gone=frozenset(view.index[name] for name in dead | untaken))
+        if folded:  # (the same order: only what is resident changes)
+            view = view.with_runtime_constants(folded)
+            schedules = tuple(s.without(dead | untaken) for s in build_schedules(
+                view, model.fetches, flops=flops, mem_bandwidth=mem_bandwidth, trace=trace, memory_model=judge))
             schedule = next(s for s in schedules if s.device == schedule.device)
     return Prepared(model, graph_def, view, schedule, batch_size, tuple(changed), fused, schedules, optimized,
                     trace=trace, dead=dead, untaken=untaken)
@@ -239,7 +252,7 @@ def run_graph(model: Model, meta_graph, optimized, known: dict | None = None) ->
         graph = Model(model.path, model.format, with_graph_def(meta_graph, graph_def), tuple(model.fetches),
                       model.fetch_source, [])
         try:
-            return prepare(graph, optimize=False, known=known)
+            return prepare(graph, optimize=False, known=known, runtime_folding=True)
         except LmsError:
             continue
     return None

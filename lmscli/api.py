@@ -40,6 +40,16 @@ def rewrite(prepared: Prepared, plan: Plan, host_device: str = DEFAULT_HOST_DEVI
     return emit(prepared, plan, host_device=host_device, force=force)
 
 
+def stand_in_step(model: Model) -> Model:
+    """``model`` fetching what a step on the stand-in runs (its fetches and the loss: see
+    :func:`lmscli.prove.steps.step_fetches`); ``model`` itself when that is the same. Prepare
+    this for :func:`for_stand_in`, which otherwise prepares the step again."""
+    from lmscli.prove.steps import step_fetches
+
+    fetches = step_fetches(model.meta_graph, model.fetches)
+    return model if fetches == tuple(model.fetches) else replace(model, fetches=fetches)
+
+
 def for_stand_in(prepared: Prepared, stand_in=None) -> Prepared:
     """The step as the CPU stand-in GPU of ``lms verify --gpu-mem`` runs it: the kernel scratch of
     this machine's CPU kernels, the CPU executor's order and the CPU's op times, all observed in
@@ -56,6 +66,9 @@ def for_stand_in(prepared: Prepared, stand_in=None) -> Prepared:
             "GPU runs all of them in one process under one limit, so it cannot judge plans made per GPU: plan "
             "without --stand-in (every GPU against the budget) and prove the rewrite with `lms verify ORIGINAL "
             "REWRITTEN`; `lms measure` gives the graph's need on the stand-in, all GPUs together")
+    step = stand_in_step(prepared.model)
+    if step is not prepared.model:  # the loss's ops are part of the step the stand-in runs
+        prepared = prepare(step, batch_size=prepared.batch_size, judge=prepared.schedule.memory_model)
     stand_in = stand_in or shared()
     meta = with_graph_def(prepared.model.meta_graph, prepared.graph_def)
     seen = stand_in.observe(meta, prepared.model.fetches, batch_size=prepared.batch_size or 1)

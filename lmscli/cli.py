@@ -359,6 +359,8 @@ def analyze(model, fmt, fetch, tag, batch_size, plot, report_file, stand_in, as_
     progress = _progress(quiet, as_json, no_color)
     with progress.phase(f"loading {model}"):
         loaded = _load(model, fmt, fetch, tag)
+        if stand_in:
+            loaded = api.stand_in_step(loaded)
     with progress.phase("inferring shapes and scheduling the step"):
         prepared = api.prepare(loaded, batch_size=batch_size)
         if stand_in:
@@ -411,6 +413,8 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
             batch, result, prepared = api.find_max_batch(loaded, device, options, judge=judge)
     else:
         with progress.phase("inferring shapes and scheduling the step"):
+            if stand_in:
+                loaded = api.stand_in_step(loaded)
             prepared = api.prepare(loaded, batch_size=batch_size, judge=judge)
             _warn_unknown_sizes(prepared, quiet)
             if stand_in:
@@ -487,6 +491,8 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
         raise GraphError(f"{model}: the graph already contains lms swap nodes (it was rewritten before); "
                          "pass --force to rewrite it again")
     with progress.phase("inferring shapes and scheduling the step"):
+        if stand_in:
+            loaded = api.stand_in_step(loaded)
         prepared = api.prepare(loaded, batch_size=batch_size, judge=judge)
         _warn_unknown_sizes(prepared, quiet)
         if stand_in:

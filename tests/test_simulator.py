@@ -239,6 +239,29 @@ def test_executor_a_forwarded_constant_is_the_constant():
     assert s.shares[0] == -1  # a kernel reading a constant makes a buffer of its own
 
 
+def test_executor_a_serial_loops_sum_of_a_constant_is_a_buffer_from_the_second_iteration_on():
+    """A gradient loop's weight-gradient sum, ``zeros -> Enter -> Merge -> Add(sum, dW) ->
+    NextIteration -> (Merge)``: the Enter is the constant's buffer, but in a loop running one
+    iteration at a time (``carried``) the Merge is, from the second iteration on, the sum the
+    last iteration made, live while dW is computed (a 2-layer GRU's plan: four such sums missing,
+    its need predicted 3 MiB, measured 4). The Add then reuses dW's buffer (the newest input) and
+    frees the sum. Not carried (iterations running at once, whose sums wait: see Schedule.ahead),
+    the Merge is the constant."""
+    from dataclasses import replace
+
+    s = executor(["enter", "merge", "dw", "add", "next"],
+                 [(0, 4096, [1]), (1, 4096, [3]), (2, 4096, [3]), (3, 4096, [4]), (4, 4096, [1])],
+                 op_types=["Enter", "Merge", "MatMul", "AddV2", "NextIteration"])
+    s = replace(s, reads_constant=(True, False, False, False, False))
+    serial = replace(s, carried=(False, True, False, False, False)).with_memory_model("executor")
+    assert serial.shares[0] == -2  # the Enter: the constant
+    assert serial.shares[1] == -1  # the Merge: a buffer of its own
+    assert serial.shares[3] == 2 and serial.in_place[3]  # the Add: in dW's buffer
+    assert simulate(serial).activation_peak_bytes == 2 * 4096  # the sum and dW
+    parallel = s.with_memory_model("executor")
+    assert parallel.shares[1] == -2 and simulate(parallel).activation_peak_bytes == 4096
+
+
 def test_a_one_unit_request_finds_a_crumb_when_the_region_is_full():
     """A region filled exactly (a TensorArray's elements in the hole its input left) still takes
     a 4-byte flow: real regions keep 256-byte chunks free that this model packs away. Anything

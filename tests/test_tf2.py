@@ -159,7 +159,8 @@ def test_a_value_a_loop_and_its_gradient_read_is_swapped_around_the_gradient_loo
     assert any("read as loop invariants" in note for note in model.notes)
     enters = [n for n in model.graph_def.node if n.op == "Enter" and n.input[0] == "Tanh"]
     assert len(enters) == 2 and all(n.attr["is_constant"].b for n in enters)  # the loop's and its gradient's
-    peak = api.analyze(api.prepare(model)).peak_bytes
+    facts = api.analyze(api.prepare(model))
+    peak = facts.run_peak_bytes or facts.peak_bytes  # (the graph TensorFlow runs: what the judge holds a plan to)
     fitted = tf2.rewrite(concrete, gpu_mem=peak - (3 << 19), reserve=0.0)  # 1.5 MiB under the peak
     into_loop = [s for s in fitted.plan.swaps if s.tensor == "Tanh:0"
                  and any(c in {n.name for n in enters} for g in s.swap_ins for c in g.consumers)]

@@ -157,6 +157,9 @@ class GraphView:
         self.frames, self.frame_parent = self._frames()
         self.cond_depth = self._cond_depths()
         self._tensors = {k: tuple(v) for k, v in (tensors or {}).items()}
+        # (node, output) of the tensors TensorFlow's runtime makes constants of (see
+        # lmscli.graph.constfold); set by with_runtime_constants for the graph a session runs.
+        self.runtime_constants: frozenset[tuple[int, int]] = frozenset()
 
     def _place_with_variables(self) -> None:
         """Unplaced ops taking a placed resource variable's handle first (its reads, updates and
@@ -357,6 +360,14 @@ class GraphView:
         for key in ("_loop_storage", "_loop_counts", "_loop_trips"):  # (lmscli.model.schedule: sized or counted by shapes)
             other.__dict__.pop(key, None)
         other._tensors = {k: tuple(v) for k, v in tensors.items()}
+        return other
+
+    def with_runtime_constants(self, pairs) -> "GraphView":
+        """The same graph whose outputs ``pairs`` (``(node, output)``) the runtime holds as
+        constants: resident, and read by no op (the ops that made them still run)."""
+        other = object.__new__(GraphView)
+        other.__dict__.update(self.__dict__)
+        other.runtime_constants = frozenset(pairs)
         return other
 
     def tensor_facts(self) -> dict[str, tuple[TensorInfo, ...]]:

@@ -356,6 +356,36 @@ def _note_running(best: dict, k: int | None, extra: int, count: dict) -> None:
         best[k] = (extra, {r: n - 1 for r, n in count.items() if n > 1})
 
 
+def run_serially(schedule, view: GraphView):
+    """``schedule`` as a plan running every loop one iteration at a time counts it (``schedule``
+    itself when that changes nothing): no iterations running ahead (``ahead``), and every loop's
+    ``Merge`` carried (``carried``: a sum that starts as a constant is, from the second iteration
+    on, the last iteration's value)."""
+    from dataclasses import replace
+
+    carried = tuple(op in ("Merge", "RefMerge") and bool(view.frames[node]) for op, node in zip(schedule.ops, schedule.nodes))
+    if not schedule.ahead and (not any(carried) or carried == schedule.carried):
+        return schedule
+    return replace(schedule, ahead=(), carried=carried if any(carried) else ()).with_memory_model(schedule.memory_model)
+
+
+def running_ahead(schedule, view: GraphView, order, *orders):
+    """``schedule`` (an executor-model schedule of the step on the stand-in) with what the traced
+    ``order`` and ``orders`` show its loops' iterations running at once holding
+    (:func:`iterations_ahead`); in those loops no ``Merge`` is carried: the stand-in's executor
+    leaves each sum's additions for last (the stack_rnn sample: ten weight gradients waiting and
+    no sum yet at its peak), so what they hold is what the traced steps show."""
+    from dataclasses import replace
+
+    parallel = {f for f, p in _frame_parallelism(view).items() if p > 1}
+    carried = schedule.carried
+    if carried and parallel:
+        carried = tuple(c and view.frames[node] not in parallel for c, node in zip(carried, schedule.nodes))
+        carried = carried if any(carried) else ()
+    out = replace(schedule, ahead=iterations_ahead(view, schedule, order, *orders), carried=carried)
+    return out.with_memory_model(schedule.memory_model) if carried != schedule.carried else out
+
+
 def _frame_parallelism(view: GraphView) -> dict[str, int]:
     """Per while-loop frame, its ``parallel_iterations`` (the largest its ``Enter`` ops carry)."""
     parallel: dict[str, int] = {}
@@ -426,9 +456,19 @@ def _new_buffer_each_iteration(view: GraphView, node: int, port: int, seen: set)
     iteration, not yet kept by another stack or array (else None)? Not so for a variable's read (the variable's own buffer, see
     :data:`lmscli.model.memmodel.RESIDENT_READS`), a constant, or a value made outside the loop (the same
     buffer every iteration); an Identity forwards its input's buffer."""
-    from lmscli.graph.graphview import VARIABLE_OPS
-    from lmscli.model.memmodel import RESIDENT_READS
+    kept = _kept_value(view, node, port)
+    if kept is None:
+        return None
+    src, output = kept
+    if view.frames[src] != view.frames[node] or _resident(view, src) or (src, output) in seen:
+        return None
+    seen.add((src, output))
+    return src, output
 
+
+def _kept_value(view: GraphView, node: int, port: int) -> tuple[int, int] | None:
+    """The tensor ``node`` keeps through its input ``port``: through Identities and Enters of its
+    frame, and for a loop variable the value the previous iteration made."""
     inputs = view.data_inputs[node]
     if len(inputs) <= port:
         return None
@@ -439,13 +479,31 @@ def _new_buffer_each_iteration(view: GraphView, node: int, port: int, seen: set)
     carried = _carried(view, src, output)
     if carried is not None:  # a loop variable: the value last iteration made (and maybe kept)
         src, output = carried
-    if view.frames[src] != frame or view.ops[src] in RESIDENT_READS or view.ops[src] in VARIABLE_OPS \
-            or view.ops[src] == "Const":
-        return None
-    if (src, output) in seen:
-        return None
-    seen.add((src, output))
     return src, output
+
+
+def _resident(view: GraphView, node: int) -> bool:
+    from lmscli.graph.graphview import VARIABLE_OPS
+    from lmscli.model.memmodel import RESIDENT_READS
+
+    return view.ops[node] in RESIDENT_READS or view.ops[node] in VARIABLE_OPS or view.ops[node] == "Const"
+
+
+def resident_pops(view: GraphView) -> frozenset[int]:
+    """The pops of stacks whose every push keeps a variable's or a constant's buffer: what they pop
+    is that resident buffer, no allocation. A loop's ``MatMul`` reading an 8 MiB kernel pushes the
+    kernel's read for its gradient each iteration; counted as a new 8 MiB buffer, the pop had an
+    LSTM's need predicted 8 MiB high (43 MiB, measured 35)::
+
+        kernel -> ReadVariableOp (the kernel's buffer) -> StackPushV2 ... StackPopV2 -> MatMul (gradient)
+        before: the pop makes an 8 MiB tensor   after: the pop is the kernel's buffer
+    """
+    out = set()
+    for pushes, pops in _stacks(view).values():
+        if pushes and all((kept := _kept_value(view, push, 1)) is not None and _resident(view, kept[0])
+                          for push in pushes):
+            out.update(pops)
+    return frozenset(out)
 
 
 def _carried(view: GraphView, node: int, output: int) -> tuple[int, int] | None:

@@ -40,6 +40,7 @@ FORWARDING_OPS = frozenset({
 # A Switch forwards its input to the output of the branch taken (either port; the other is dead).
 SWITCH_OPS = frozenset({"Switch", "RefSwitch"})
 RESIDENT_READS = frozenset({"ReadVariableOp"})  # the output is the variable's buffer
+STACK_POPS = frozenset({"StackPopV2", "StackPop"})  # what they pop is the buffer a push kept
 
 # Kernels that call forward_input_or_allocate_output: element-wise unary and binary ops, the
 # activation functions and their gradients, BiasAdd and AddN (checked on this machine: each of these
@@ -64,18 +65,30 @@ def rounded(num_bytes: int) -> int:
     return -(-num_bytes // ALIGNMENT) * ALIGNMENT if num_bytes > 0 else 0
 
 
-def sharing(ops, tensors, inputs, on_gpu, reads_constant=()) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+def sharing(ops, tensors, inputs, on_gpu, reads_constant=(), carried=()) -> tuple[tuple[int, ...], tuple[bool, ...]]:
     """Per tensor, the tensor whose buffer it shares (:data:`OWN`, :data:`RESIDENT` or an id), and
     whether that link is an in-place reuse (broken when the input is swapped out).
 
     ``ops``, ``inputs``, ``on_gpu`` and ``reads_constant`` (the op's first input is a constant,
-    which is resident and no tensor of the schedule) are per position, ``tensors`` the schedule's
+    which is resident and no tensor of the schedule; for a stack's pop, the stack keeps a resident
+    buffer: :func:`lmscli.model.loops.resident_pops`) are per position, ``tensors`` the schedule's
     SimTensors in producer order. In-place reuse needs the op to be the last reader of every tensor
     sharing the input's buffer, as it is when the executor runs the schedule's order.
 
     A forwarding op of a constant is that constant's buffer: a v1 loop's gradient accumulator
     ``Const (zeros) -> Enter`` allocates nothing (counted twice, a tanh RNN's 256 KiB of
-    accumulators sat below its input and pushed a 2 MiB transpose into a chunk of 3 MiB)."""
+    accumulators sat below its input and pushed a 2 MiB transpose into a chunk of 3 MiB). Not so
+    a loop's ``Merge`` of a constant and a ``NextIteration`` (``carried``, per position): from the
+    second iteration on it is the value the last iteration made, a buffer of its own until the
+    body has read it. A gradient loop's weight-gradient sum holds one while the next gradient is
+    computed (a 2-layer GRU's plan: four sums missing at the peak, 0.6 MiB of the 1.2 the step
+    held above its variables). Where the stand-in runs iterations at once, its executor leaves the
+    sums' additions for last, and what they hold comes from traced steps instead
+    (:func:`lmscli.model.loops.running_ahead`)::
+
+        zeros (Const) -> Enter -> Merge -> Add(sum, dW) -> NextIteration --> (back to Merge)
+        before: the Merge is the constant's buffer in every iteration; only dW is live at MatMul
+        after:  the Merge's own buffer, live until the Add, which takes dW's or its buffer"""
     shares = [OWN] * len(tensors)
     in_place = [False] * len(tensors)
     root: list[int] = list(range(len(tensors)))
@@ -90,7 +103,7 @@ def sharing(ops, tensors, inputs, on_gpu, reads_constant=()) -> tuple[tuple[int,
         op = ops[k]
         if not on_gpu[k]:
             continue
-        if op in RESIDENT_READS or (op in FORWARDING_OPS and t.output == 0 and reads_constant
+        if op in RESIDENT_READS or ((op in FORWARDING_OPS or op in STACK_POPS) and t.output == 0 and reads_constant
                                     and reads_constant[k]):
             shares[t.id] = RESIDENT
             root[t.id] = -1
@@ -99,6 +112,8 @@ def sharing(ops, tensors, inputs, on_gpu, reads_constant=()) -> tuple[tuple[int,
         same = [i for i in inputs[k] if i < t.id and tensors[i].num_bytes == t.num_bytes]
         if op in FORWARDING_OPS and same and (t.output == 0 or op in SWITCH_OPS):
             src = same[0]
+            if root[src] < 0 and carried and carried[k]:
+                continue  # a loop-carried value that enters as a constant: see the docstring
             r = root[t.id] = root[src]
             if r < 0:
                 shares[t.id] = RESIDENT

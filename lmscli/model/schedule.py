@@ -69,8 +69,13 @@ class Schedule:
     stack_copies: tuple[tuple[int, int, int], ...] = ()
     host_held: tuple[tuple[int, int, int], ...] = ()
     # Per position, the op's first input is a constant of this GPU (counted in constant_bytes, not
-    # a tensor): a forwarding op hands on the constant's buffer.
+    # a tensor): a forwarding op hands on the constant's buffer; or the op pops a stack that keeps a
+    # variable's or constant's buffer (loops.resident_pops): it hands that buffer on.
     reads_constant: tuple[bool, ...] = ()
+    # Per position, the op is a loop's Merge whose value is, from the second iteration on, one the
+    # last iteration made (memmodel.sharing): every loop's, except on the stand-in those of loops
+    # running iterations at once (loops.running_ahead), whose sums wait (Schedule.ahead).
+    carried: tuple[bool, ...] = ()
     # Per allocation that iterations of a loop running ahead of the one the model counts held in a
     # traced step (lmscli.model.loops.iterations_ahead): (first position, last position, bytes),
     # held while the ops from first to last run.
@@ -92,7 +97,8 @@ class Schedule:
             raise ValueError(f"unknown memory model {memory_model!r}")
         shares, in_place = ((), ())
         if memory_model == "executor":
-            shares, in_place = memmodel.sharing(self.ops, self.tensors, self.inputs, self.on_gpu, self.reads_constant)
+            shares, in_place = memmodel.sharing(self.ops, self.tensors, self.inputs, self.on_gpu, self.reads_constant,
+                                                self.carried)
         return replace(self, memory_model=memory_model, shares=shares, in_place=in_place)
 
     def without(self, names) -> "Schedule":
@@ -137,7 +143,7 @@ class Schedule:
         pruned = replace(self, nodes=pick(self.nodes), names=pick(self.names), ops=pick(self.ops),
                          levels=pick(self.levels), compute=pick(self.compute), on_gpu=pick(self.on_gpu),
                          tensors=tuple(tensors), inputs=inputs, scratch=pick(self.scratch), shares=(), in_place=(),
-                         reads_constant=pick(self.reads_constant), ahead=tuple(ahead))
+                         reads_constant=pick(self.reads_constant), carried=pick(self.carried), ahead=tuple(ahead))
         return pruned.with_memory_model(self.memory_model)
 
     @property
@@ -446,6 +452,7 @@ def _describe(view: GraphView, order: list[int], cost: dict, on_gpu: list[bool],
     var_bytes = sum(variable_bytes(view, i) for pos, i in enumerate(order)
                     if view.ops[i] in VARIABLE_OPS and on_gpu[pos])
     const_bytes = 0
+    folded = view.runtime_constants
     tensors: list[SimTensor] = []
     inputs: list[list[int]] = [[] for _ in order]
     kept = {s.writer: s for s in loop_storage(view)}
@@ -478,14 +485,26 @@ def _describe(view: GraphView, order: list[int], cost: dict, on_gpu: list[bool],
             if is_const:
                 const_bytes += size
                 continue
+            if (i, output) in folded and on_gpu[pos]:  # the runtime's constant: resident, and what
+                const_bytes += size  # the op still makes each step is read by none
+                readers = ()
             tid = len(tensors)
             tensors.append(SimTensor(tid, pos, output, size, readers))
             for reader in readers:
                 inputs[reader].append(tid)
     compute = tuple(cost[i] if on_gpu[pos] else 0 for pos, i in enumerate(order))
-    first_inputs = [view.data_inputs[i][0][0] if view.data_inputs[i] else -1 for i in order]
-    reads_constant = tuple(on_gpu[pos] and src >= 0 and view.ops[src] in CONSTANT_OPS and src in position
-                           and on_gpu[position[src]] for pos, src in enumerate(first_inputs))
+    first_inputs = [view.data_inputs[i][0] if view.data_inputs[i] else (-1, 0) for i in order]
+    reads_constant = tuple(on_gpu[pos] and src >= 0 and (view.ops[src] in CONSTANT_OPS or (src, output) in folded)
+                           and src in position and on_gpu[position[src]]
+                           for pos, (src, output) in enumerate(first_inputs))
+    if any(view.frames):
+        from lmscli.model.loops import resident_pops
+
+        pops = resident_pops(view)
+        reads_constant = tuple(flag or (order[pos] in pops and on_gpu[pos]) for pos, flag in enumerate(reads_constant))
+        carried = tuple(view.ops[i] in ("Merge", "RefMerge") and bool(view.frames[i]) for i in order)
+    else:
+        carried = ()
     return Schedule(
         nodes=tuple(order),
         names=tuple(view.names[i] for i in order),
@@ -499,4 +518,5 @@ def _describe(view: GraphView, order: list[int], cost: dict, on_gpu: list[bool],
         constant_bytes=const_bytes,
         device=device,
         reads_constant=reads_constant if any(reads_constant) else (),
+        carried=carried if any(carried) else (),
     )

@@ -188,8 +188,13 @@ def tensor_ids(schedule: Schedule) -> dict[str, int]:
 
 
 def simulated(plan: Plan, schedule: Schedule, view) -> tuple[Schedule, list[SimSwap]]:
-    """What the simulator runs for ``plan`` on ``schedule``: the schedule its stacks on the host
-    leave (:func:`lmscli.plan.hoststacks.hosting`), and its swaps and recomputations on that schedule."""
+    """What the simulator runs for ``plan`` on ``schedule``: its loops one iteration at a time when
+    it says so (:func:`lmscli.model.loops.run_serially`), the schedule its stacks on the host leave
+    (:func:`lmscli.plan.hoststacks.hosting`), and its swaps and recomputations on that schedule."""
+    if plan.serial_loops:
+        from lmscli.model.loops import run_serially
+
+        schedule = run_serially(schedule, view)
     stacks = [h for h in plan.host_stacks if not h.gpu or h.gpu == schedule.device]
     if stacks:
         from lmscli.plan import hoststacks

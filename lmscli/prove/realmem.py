@@ -54,7 +54,8 @@ def predict(model, batch_size: int | None = None, observation=None, stand_in=Non
     from lmscli.model.simulator import simulate
 
     meta, _ = steps.map_gpu_ops(model.meta_graph)
-    model = api.Model(model.path, model.format, meta, tuple(model.fetches), model.fetch_source, list(model.notes))
+    model = api.Model(model.path, model.format, meta, steps.step_fetches(meta, model.fetches), model.fetch_source,
+                      list(model.notes))
     prepared = api.prepare(model, batch_size=batch_size)
     schedule = prepared.schedule
     prepared_meta = api.with_graph_def(meta, prepared.graph_def)

@@ -486,6 +486,19 @@ def first_difference(a: StepRun, b: StepRun) -> str | None:
     return None if diff is None else diff.message
 
 
+def step_fetches(meta_graph, fetches, loss: str | None = None) -> tuple[str, ...]:
+    """The ops a step on the stand-in runs: ``fetches``, and the op of the loss it fetches too
+    (``loss`` or :func:`default_loss`, to compare results), which a model of that step must
+    schedule as well. Fetching only a train op, Grappler prunes the loss's own forward ops; a 3D
+    U-Net's per-voxel loss holds three 1 MiB tensors through the backward pass's start, and its
+    need was predicted 4 MiB under the stand-in's 105."""
+    loss = loss or default_loss(meta_graph)
+    node = loss.rpartition(":")[0] if loss and ":" in loss else loss
+    if not node or node in fetches or node not in {n.name for n in meta_graph.graph_def.node}:
+        return tuple(fetches)
+    return tuple(fetches) + (node,)
+
+
 def default_loss(meta_graph) -> str | None:
     """``loss:0`` if the graph has it, else the first tensor of the ``losses`` collection, else a
     signature's ``loss`` output."""
