@@ -239,14 +239,14 @@ def test_executor_a_forwarded_constant_is_the_constant():
     assert s.shares[0] == -1  # a kernel reading a constant makes a buffer of its own
 
 
-def test_executor_a_serial_loops_sum_of_a_constant_is_a_buffer_from_the_second_iteration_on():
+def test_executor_a_loops_sum_of_a_constant_is_a_buffer_from_the_second_iteration_on():
     """A gradient loop's weight-gradient sum, ``zeros -> Enter -> Merge -> Add(sum, dW) ->
-    NextIteration -> (Merge)``: the Enter is the constant's buffer, but in a loop running one
-    iteration at a time (``carried``) the Merge is, from the second iteration on, the sum the
-    last iteration made, live while dW is computed (a 2-layer GRU's plan: four such sums missing,
-    its need predicted 3 MiB, measured 4). The Add then reuses dW's buffer (the newest input) and
-    frees the sum. Not carried (iterations running at once, whose sums wait: see Schedule.ahead),
-    the Merge is the constant."""
+    NextIteration -> (Merge)``: the Enter is the constant's buffer, but the loop's Merge
+    (``carried``) is, from the second iteration on, the sum the last iteration made, live while dW
+    is computed (a 2-layer GRU's plan: four such sums missing, its need predicted 3 MiB, measured
+    4). The Add then reuses dW's buffer (the newest input) and frees the sum. Not carried (on the
+    stand-in, a loop running iterations at once, whose sums wait: loops.running_ahead), the Merge
+    is the constant."""
     from dataclasses import replace
 
     s = executor(["enter", "merge", "dw", "add", "next"],
