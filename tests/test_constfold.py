@@ -9,8 +9,7 @@ import pytest
 from lmscli import api
 from lmscli.graph.constfold import MAX_CONSTANT_BYTES, runtime_constants
 from lmscli.graph.graphview import GraphView, TensorInfo
-from lmscli.prove.standin import MIB
-from tests.conftest import graph_def_from_nodes, v1_training_graph
+from tests.conftest import assert_within_fidelity, graph_def_from_nodes, v1_training_graph
 
 MEAN_GRAD_BYTES = 1024 * 2048 * 4  # the gradient of a mean over the 1024 x 2048 activation
 
@@ -110,9 +109,4 @@ def test_the_runtimes_constant_is_in_the_predicted_need(mean_loss):
 
     model = api.load(str(mean_loss))
     with StandIn() as stand_in:
-        prediction, _ = realmem.predict(model, stand_in=stand_in)
-        p = prediction.predicted_standin_bytes
-        above = -(-int(p / 0.97) // MIB) * MIB
-        below = int(p / 1.10) // MIB * MIB
-        assert stand_in.run(model.meta_graph, model.fetches, above, runs=1).fits, f"needs more than {above:,} (P {p:,})"
-        assert not stand_in.run(model.meta_graph, model.fetches, below, runs=1).fits, f"fits in {below:,} (P {p:,})"
+        assert_within_fidelity(stand_in, model, realmem.predict(model, stand_in=stand_in)[0].predicted_standin_bytes)

@@ -305,15 +305,13 @@ def test_a_serial_loops_weight_gradient_sum_is_in_its_real_need(tmp_path):
     buffer. Measured 35 MiB; predicted 35 (43 with the pops counted as new buffers). Checked as
     the fidelity target: fits at P / 0.97, out of memory at P / 1.10."""
     from lmscli.prove import realmem
-    from lmscli.prove.standin import MIB, StandIn
+    from lmscli.prove.standin import StandIn
+    from tests.conftest import assert_within_fidelity
 
     path = _lstm_loop(tmp_path / "wide.meta", batch=8, steps=16, hidden=512, features=512, parallel_iterations=1)
     model = api.load(str(path))
     with StandIn() as stand_in:
-        p = realmem.predict(model, stand_in=stand_in)[0].predicted_standin_bytes
-        above, below = -(-int(p / 0.97) // MIB) * MIB, int(p / 1.10) // MIB * MIB
-        assert stand_in.run(model.meta_graph, model.fetches, above, runs=1).fits, f"needs more than {above:,} (P {p:,})"
-        assert not stand_in.run(model.meta_graph, model.fetches, below, runs=1).fits, f"fits in {below:,} (P {p:,})"
+        assert_within_fidelity(stand_in, model, realmem.predict(model, stand_in=stand_in)[0].predicted_standin_bytes)
 
 
 def test_a_plan_triggering_from_a_branch_for_an_op_outside_it_is_refused(cond_branch):

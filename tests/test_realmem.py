@@ -14,7 +14,7 @@ import pytest
 
 from lmscli import api
 from lmscli.prove.standin import MIB, StandIn
-from tests.conftest import SAMPLES, invoke
+from tests.conftest import SAMPLES, assert_within_fidelity, invoke
 
 
 def _generated(tmp_path_factory, model: str, **shape):
@@ -122,11 +122,7 @@ def test_the_prediction_is_within_ten_percent_of_the_real_need(graph, request, s
     model = api.load(str(SAMPLES / f"{graph}.meta") if graph in ("resnet50", "stack_rnn")
                      else str(request.getfixturevalue(graph)))
     prediction, _ = realmem.predict(model, stand_in=stand_in)
-    p = prediction.predicted_standin_bytes
-    above = -(-int(p / 0.97) // MIB) * MIB
-    below = int(p / 1.10) // MIB * MIB
-    assert stand_in.run(model.meta_graph, model.fetches, above, runs=1).fits, f"needs more than {above:,} (P {p:,})"
-    assert not stand_in.run(model.meta_graph, model.fetches, below, runs=1).fits, f"fits in {below:,} (P {p:,})"
+    assert_within_fidelity(stand_in, model, prediction.predicted_standin_bytes)
 
 
 @pytest.mark.slow
