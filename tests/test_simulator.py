@@ -381,3 +381,26 @@ def test_what_no_loop_pops_is_held_to_the_end_of_its_loop_if_a_list_and_of_the_s
         _add_storage(tensors, inputs, 2, Storage(writer=7, readers=(), num_bytes=1 << 20, kind="stack", trips=8),
                      position={7: 2}, n=10, loop_end=5, value=value)
         assert tensors[0].consumers == (last,) and tensors[0].output == STORAGE_OUTPUT
+
+
+def test_only_a_loops_own_merges_are_carried():
+    """A cond's Merge inside a loop body takes the branch's value (a constant one is the constant);
+    only a Merge fed by the loop's NextIteration holds the last iteration's value."""
+    from lmscli.graph.graphview import GraphView
+    from lmscli.model.loops import loop_merges
+    from tests.conftest import graph_def_from_nodes
+
+    frame = {"frame_name": {"s": b"loop"}}
+    view = GraphView(graph_def_from_nodes([
+        ("zero", "Const", [], None),
+        ("enter", "Enter", ["zero"], frame),
+        ("merge", "Merge", ["enter", "next"], None),
+        ("pred", "Const", ["^merge"], None),
+        ("switch", "Switch", ["merge", "pred"], None),
+        ("pivot", "Identity", ["switch:1"], None),
+        ("one", "Const", ["^pivot"], None),
+        ("cond_merge", "Merge", ["switch", "one"], None),
+        ("next", "NextIteration", ["cond_merge"], None),
+    ]))
+    carried = dict(zip(view.names, loop_merges(view, range(view.size))))
+    assert carried["merge"] and not carried["cond_merge"] and not carried["enter"]

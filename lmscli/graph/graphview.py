@@ -158,7 +158,7 @@ class GraphView:
         self.cond_depth = self._cond_depths()
         self._tensors = {k: tuple(v) for k, v in (tensors or {}).items()}
         # (node, output) of the tensors TensorFlow's runtime makes constants of (see
-        # lmscli.graph.constfold); set by with_runtime_constants for the graph a session runs.
+        # lmscli.graph.constfold); set by with_runtime_constants (lmscli.analysis.prepare).
         self.runtime_constants: frozenset[tuple[int, int]] = frozenset()
 
     def _place_with_variables(self) -> None:

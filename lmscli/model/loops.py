@@ -363,10 +363,18 @@ def run_serially(schedule, view: GraphView):
     on, the last iteration's value)."""
     from dataclasses import replace
 
-    carried = tuple(op in ("Merge", "RefMerge") and bool(view.frames[node]) for op, node in zip(schedule.ops, schedule.nodes))
+    carried = loop_merges(view, schedule.nodes)
     if not schedule.ahead and (not any(carried) or carried == schedule.carried):
         return schedule
     return replace(schedule, ahead=(), carried=carried if any(carried) else ()).with_memory_model(schedule.memory_model)
+
+
+def loop_merges(view: GraphView, nodes) -> tuple[bool, ...]:
+    """Per node of ``nodes``, is it a while loop's ``Merge`` (one that a ``NextIteration`` feeds,
+    not a cond's inside a loop body)?"""
+    return tuple(view.ops[i] in ("Merge", "RefMerge") and bool(view.frames[i])
+                 and any(view.ops[src] in ("NextIteration", "RefNextIteration") for src, _ in view.data_inputs[i])
+                 for i in nodes)
 
 
 def running_ahead(schedule, view: GraphView, order, *orders):

@@ -498,11 +498,11 @@ def _describe(view: GraphView, order: list[int], cost: dict, on_gpu: list[bool],
                            and src in position and on_gpu[position[src]]
                            for pos, (src, output) in enumerate(first_inputs))
     if any(view.frames):
-        from lmscli.model.loops import resident_pops
+        from lmscli.model.loops import loop_merges, resident_pops
 
         pops = resident_pops(view)
         reads_constant = tuple(flag or (order[pos] in pops and on_gpu[pos]) for pos, flag in enumerate(reads_constant))
-        carried = tuple(view.ops[i] in ("Merge", "RefMerge") and bool(view.frames[i]) for i in order)
+        carried = loop_merges(view, order)
     else:
         carried = ()
     return Schedule(
