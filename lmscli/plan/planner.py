@@ -37,8 +37,7 @@ from lmscli.plan.candidates import (COND_PRODUCERS, Candidate, Filters, absorbed
 from lmscli.device import Device
 from lmscli.errors import NoFitError
 from lmscli.plan.document import Plan, from_sim, graph_fingerprint, host_stacks_from, recompute_flops, recomputes_from_sim
-from lmscli.model.loops import overlap_bytes, parallel_loops
-from lmscli.model.loops import run_serially
+from lmscli.model.loops import overlap_bytes, parallel_loops, run_serially
 from lmscli.model.schedule import Schedule
 from lmscli.model.simulator import SimResult, SimSwap, SwapIn, simulate, transfer_us
 from lmscli.timing import timed
@@ -957,15 +956,15 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
 
     A graph that places ops on several GPUs gets one plan per GPU, each for a ``device`` of its own
     (``margin`` may then map GPU names to margins), merged into one plan."""
-    serial = [run_serially(s, prepared.view) for s in (prepared.schedule, *prepared.schedules)]
-    if options.serial_loops and any(a is not b for a, b in zip(serial, (prepared.schedule, *prepared.schedules))):
+    written = (prepared.schedule, *prepared.schedules)
+    serial = [run_serially(s, prepared.view) for s in written] if options.serial_loops else list(written)
+    if any(a is not b for a, b in zip(serial, written)):
         # The plan runs its loops one iteration at a time: what iterations running ahead held in a
         # traced step of the original (Schedule.ahead) is not there, and each loop's sums are the
         # last iteration's values (Schedule.carried). The report says what the original needs.
-        written = prepared.schedule
         result = _tune(replace(prepared, schedule=serial[0], schedules=tuple(serial[1:])), device, options, margin)
-        if result.plan.serial_loops and any(s.ahead for s in (written, *prepared.schedules)):
-            parallel = simulate(written, (), device.link_bandwidth, detail=False).peak_bytes
+        if result.plan.serial_loops and any(s.ahead for s in written):
+            parallel = simulate(prepared.schedule, (), device.link_bandwidth, detail=False).peak_bytes
             result = replace(result, plan=replace(result.plan, predicted=dict(
                 result.plan.predicted, peak_bytes_with_parallel_loops=parallel)))
         return result
