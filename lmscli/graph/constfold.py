@@ -29,11 +29,10 @@ handle or string.
 
 from __future__ import annotations
 
-from lmscli.graph.graphview import CONTROL_FLOW_OPS, PLACEHOLDER_OPS, SHAPE_OPS, GraphView
+from lmscli.graph.graphview import CONSTANT_OPS, CONTROL_FLOW_OPS, PLACEHOLDER_OPS, SHAPE_OPS, GraphView
 from lmscli.graph.opdefs import CpuKernels, StatefulOps
 
 MAX_CONSTANT_BYTES = 10 << 20  # the runtime makes no larger constant (its ConstantFoldingOptions default)
-CONSTANT_OPS = frozenset({"Const", "HostConst"})
 _NEVER = CONTROL_FLOW_OPS | PLACEHOLDER_OPS | frozenset({
     "_Send", "_Recv", "_HostSend", "_HostRecv", "_Arg", "_Retval", "FakeParam", "GetSessionHandle",
     "GetSessionHandleV2", "GetSessionTensor", "DeleteSessionTensor"})

@@ -30,6 +30,7 @@ CONTROL_FLOW_OPS = frozenset(
 VARIABLE_OPS = frozenset({"VarHandleOp", "VariableV2", "Variable", "AutoReloadVariable"})
 SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})  # read a tensor's shape, not its values
 PLACEHOLDER_OPS = frozenset({"Placeholder", "PlaceholderWithDefault"})  # fed by a run
+CONSTANT_OPS = frozenset({"Const", "HostConst"})
 DEFAULT_GPU = "/device:GPU:0"
 _DEVICE_PART = re.compile(r"/?(job|replica|task|device|cpu|gpu):?([^/]*)", re.IGNORECASE)
 

@@ -21,10 +21,9 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from lmscli.model.costmodel import op_time
-from lmscli.graph.graphview import DEFAULT_GPU, PLACEHOLDER_OPS, VARIABLE_OPS, GraphView
+from lmscli.graph.graphview import CONSTANT_OPS, DEFAULT_GPU, PLACEHOLDER_OPS, VARIABLE_OPS, GraphView
 from lmscli.timing import timed
 
-CONSTANT_OPS = frozenset({"Const", "HostConst"})
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lmscli.plan.candidates import fused_edge
-from lmscli.graph.graphview import CONTROL_FLOW_OPS, VARIABLE_OPS, GraphView
+from lmscli.graph.graphview import CONSTANT_OPS, CONTROL_FLOW_OPS, VARIABLE_OPS, GraphView
 from lmscli.graph.opdefs import StatefulOps
 from lmscli.model.memmodel import FORWARDING_OPS, IN_PLACE_OPS, RESIDENT
-from lmscli.model.schedule import CONSTANT_OPS, Schedule
+from lmscli.model.schedule import Schedule
 
 CHEAP_OPS = (IN_PLACE_OPS - {"AddN"}) | frozenset({
     "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "MaxPool", "AvgPool", "MaxPool3D", "AvgPool3D",

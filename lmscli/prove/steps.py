@@ -492,8 +492,10 @@ def step_fetches(meta_graph, fetches, loss: str | None = None) -> tuple[str, ...
     schedule as well. Fetching only a train op, Grappler prunes the loss's own forward ops; a 3D
     U-Net's per-voxel loss holds three 1 MiB tensors through the backward pass's start, and its
     need was predicted 4 MiB under the stand-in's 105."""
+    from lmscli.graph.graphview import parse_input
+
     loss = loss or default_loss(meta_graph)
-    node = loss.rpartition(":")[0] if loss and ":" in loss else loss
+    node = parse_input(loss)[0] if loss else None
     if not node or node in fetches or node not in {n.name for n in meta_graph.graph_def.node}:
         return tuple(fetches)
     return tuple(fetches) + (node,)
