@@ -73,12 +73,12 @@ class Prepared:
         (:attr:`Schedule.ahead`)."""
         trace = self.trace.observed(order, micros) if self.trace is not None else None
         if trace is None:
-            schedules = tuple(replace(s, waited_sends=True) for s in self.schedules)
-            chosen = replace(self.schedule, waited_sends=True)
+            schedules = tuple(s.on_stand_in() for s in self.schedules)
+            chosen = self.schedule.on_stand_in()
             return replace(self, schedule=chosen, schedules=schedules).with_scratch(scratch or {})
         from lmscli.model.loops import running_ahead
 
-        schedules = tuple(replace(s.without(self.dead | self.untaken), waited_sends=True) for s in build_schedules(
+        schedules = tuple(s.without(self.dead | self.untaken).on_stand_in() for s in build_schedules(
             self.view, self.model.fetches, trace=trace, memory_model=self.schedule.memory_model))
         schedules = tuple(running_ahead(s, self.view, order, *orders) for s in schedules)
         chosen = next((s for s in schedules if s.device == self.schedule.device), schedules[0])

@@ -65,7 +65,8 @@ def rounded(num_bytes: int) -> int:
     return -(-num_bytes // ALIGNMENT) * ALIGNMENT if num_bytes > 0 else 0
 
 
-def sharing(ops, tensors, inputs, on_gpu, reads_constant=(), carried=()) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+def sharing(ops, tensors, inputs, on_gpu, reads_constant=(), carried=(), stand_in=False
+            ) -> tuple[tuple[int, ...], tuple[bool, ...]]:
     """Per tensor, the tensor whose buffer it shares (:data:`OWN`, :data:`RESIDENT` or an id), and
     whether that link is an in-place reuse (broken when the input is swapped out).
 
@@ -88,7 +89,18 @@ def sharing(ops, tensors, inputs, on_gpu, reads_constant=(), carried=()) -> tupl
 
         zeros (Const) -> Enter -> Merge -> Add(sum, dW) -> NextIteration --> (back to Merge)
         before: the Merge is the constant's buffer in every iteration; only dW is live at MatMul
-        after:  the Merge's own buffer, live until the Add, which takes dW's or its buffer"""
+        after:  the Merge's own buffer, live until the Add, which takes dW's or its buffer
+
+    On the CPU stand-in (``stand_in``) an op whose output an op of the other process reads (a
+    swap-out's transfer to the host) takes a buffer of its own: the executor asks for an output
+    the network can send from, which an ordinary input's buffer is not, so the kernel's in-place
+    reuse is refused (the 3D U-Net's swapped ReLUs each allocated a new 8 MiB buffer while their
+    input was live, and a plan predicted 65 MiB needed 70). A GPU sending to its own process's
+    host memory reuses the buffer::
+
+        BiasAdd(x) -> Relu -> [swap-out to the host process]
+        GPU:       Relu writes over x's buffer
+        stand-in:  Relu's own buffer; x's is freed after the Relu"""
     shares = [OWN] * len(tensors)
     in_place = [False] * len(tensors)
     root: list[int] = list(range(len(tensors)))
@@ -121,7 +133,7 @@ def sharing(ops, tensors, inputs, on_gpu, reads_constant=(), carried=()) -> tupl
             shares[t.id] = src
             last_use[r] = max(last_use[r], last_use[t.id])
             continue
-        if op in IN_PLACE_OPS and t.output == 0:
+        if op in IN_PLACE_OPS and t.output == 0 and not (stand_in and any(not on_gpu[c] for c in t.consumers)):
             # The newest input first: kernels forward their first operand (the incoming gradient
             # of a *Grad op), which is made later than the forward pass's activations.
             for src in sorted((i for i in same if root[i] >= 0), key=lambda i: -tensors[i].producer):

@@ -86,6 +86,16 @@ class Schedule:
 
         return replace(self, scratch=tuple(int(by_name.get(name, 0)) for name in self.names))
 
+    def on_stand_in(self) -> "Schedule":
+        """The same step as the CPU stand-in runs it: a swap-out's transfer waits for an op that
+        needs it (``waited_sends``), and an op whose output the other process reads takes a buffer
+        of its own (:func:`lmscli.model.memmodel.sharing`)."""
+        from dataclasses import replace
+
+        if self.waited_sends:
+            return self
+        return replace(self, waited_sends=True).with_memory_model(self.memory_model)
+
     def with_memory_model(self, memory_model: str) -> "Schedule":
         """The same schedule counted by another memory model (``executor`` or ``grappler``)."""
         from dataclasses import replace
@@ -97,7 +107,7 @@ class Schedule:
         shares, in_place = ((), ())
         if memory_model == "executor":
             shares, in_place = memmodel.sharing(self.ops, self.tensors, self.inputs, self.on_gpu, self.reads_constant,
-                                                self.carried)
+                                                self.carried, stand_in=self.waited_sends)
         return replace(self, memory_model=memory_model, shares=shares, in_place=in_place)
 
     def without(self, names) -> "Schedule":

@@ -365,6 +365,14 @@ def _executor_events(schedule, swap_of, start, end, out_start, out_end, in_start
         key = (out_end[t.id], 4 * at + 3)
         return max([key] + [(end[c], 4 * c + 2) for c in swap.near])
 
+    def not_in_place(tid: int, link: int) -> bool:
+        """An in-place reuse the plan breaks: the input is swapped out (the op reads a swap-in's
+        buffer), or on the stand-in the output is (memmodel.sharing: a buffer the other process
+        reads is never an input's)."""
+        if link in swap_of and not swap_of[link].recompute:
+            return True
+        return schedule.waited_sends and tid in swap_of and not swap_of[tid].recompute
+
     buffer_of: dict[int, tuple] = {}  # tensor id -> ("t", root id) or ("in", tensor id, group)
     alloc: dict[tuple, tuple[int, int, int]] = {}  # buffer -> (time, order, bytes)
     free: dict[tuple, tuple[int, int]] = {}
@@ -372,7 +380,7 @@ def _executor_events(schedule, swap_of, start, end, out_start, out_end, in_start
         link = shares[t.id] if shares else OWN
         if link == RESIDENT:
             continue
-        if link == OWN or (in_place[t.id] and link in swap_of and not swap_of[link].recompute):
+        if link == OWN or (in_place[t.id] and not_in_place(t.id, link)):
             key = ("t", t.id)
             alloc[key] = (start[t.producer], 4 * t.producer, rounded(t.num_bytes))
         else:
