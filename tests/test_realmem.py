@@ -1,7 +1,7 @@
 """Memory claims checked by real runs under a hard limit, on the stand-in GPU (lmscli.prove).
 
 The graph of the proof is the generator's residual MLP (``synthetic``) at a batch where
-activations dominate: 247 MiB without swapping on the stand-in, 55 MiB lower bound, no
+activations dominate: 135 MiB without swapping on the stand-in, 26 MiB lower bound, no
 convolutions (whose default CPU kernels' scratch once set the minimum of small conv nets; the
 stand-in now runs Eigen kernels for their gradients: see lmscli/prove/standin.py).
 """
@@ -30,7 +30,7 @@ def _generated(tmp_path_factory, model: str, **shape):
 
 @pytest.fixture(scope="module")
 def residual(tmp_path_factory):
-    return _generated(tmp_path_factory, "synthetic", nodes=600, batch=4096, width=512)
+    return _generated(tmp_path_factory, "synthetic", nodes=600, batch=2048, width=512)
 
 
 @pytest.fixture(scope="module")
