@@ -89,11 +89,10 @@ class Schedule:
     def on_stand_in(self) -> "Schedule":
         """The same step as the CPU stand-in runs it: a swap-out's transfer waits for an op that
         needs it (``waited_sends``), and an op whose output the other process reads takes a buffer
-        of its own (:func:`lmscli.model.memmodel.sharing`)."""
+        of its own (:func:`lmscli.model.memmodel.sharing`; counted again, as a schedule given
+        ``waited_sends`` by ``replace`` alone has a GPU's sharing)."""
         from dataclasses import replace
 
-        if self.waited_sends:
-            return self
         return replace(self, waited_sends=True).with_memory_model(self.memory_model)
 
     def with_memory_model(self, memory_model: str) -> "Schedule":

@@ -366,9 +366,9 @@ def _executor_events(schedule, swap_of, start, end, out_start, out_end, in_start
         return max([key] + [(end[c], 4 * c + 2) for c in swap.near])
 
     def not_in_place(tid: int, link: int) -> bool:
-        """An in-place reuse the plan breaks: the input is swapped out (the op reads a swap-in's
-        buffer), or on the stand-in the output is (memmodel.sharing: a buffer the other process
-        reads is never an input's)."""
+        """An in-place reuse the plan breaks: the input is swapped out (its transfer still holds
+        the buffer), or on the stand-in the output is (memmodel.sharing: a buffer the other
+        process reads is never an input's)."""
         if link in swap_of and not swap_of[link].recompute:
             return True
         return schedule.waited_sends and tid in swap_of and not swap_of[tid].recompute
