@@ -218,7 +218,7 @@ def test_on_the_stand_in_an_output_the_other_process_reads_is_no_inputs_buffer()
     """BiasAdd -> Relu -> an op of the host process (a swap-out's transfer in the rewritten graph)
     and a GPU reader. A GPU's Relu writes over the BiasAdd's buffer; the stand-in's cannot (the
     output must be one the network sends from) and holds both at the Relu: a 3D U-Net's plan
-    with six swapped ReLUs was predicted 65 MiB and needed 70 (69 now)."""
+    with swapped ReLUs was predicted 65 MiB and needed 70 (69-70 now)."""
     from dataclasses import replace
 
     s = executor("abcd", [(0, 4096, [1]), (1, 4096, [2, 3]), (2, 256, []), (3, 256, [])],

@@ -94,8 +94,8 @@ def sharing(ops, tensors, inputs, on_gpu, reads_constant=(), carried=(), stand_i
     On the CPU stand-in (``stand_in``) an op whose output an op of the other process reads (a
     swap-out's transfer to the host) takes a buffer of its own: the executor asks for an output
     the network can send from, which an ordinary input's buffer is not, so the kernel's in-place
-    reuse is refused (the 3D U-Net's swapped ReLUs each allocated a new 8 MiB buffer while their
-    input was live, and a plan predicted 65 MiB needed 70). A GPU sending to its own process's
+    reuse is refused (a 3D U-Net plan's swapped ReLUs each allocated a new 8 or 2 MiB buffer while
+    their input was live; predicted 65 MiB, it needed 70). A GPU sending to its own process's
     host memory reuses the buffer::
 
         BiasAdd(x) -> Relu -> [swap-out to the host process]
