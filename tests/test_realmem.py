@@ -72,6 +72,20 @@ def test_original_runs_out_of_memory_and_the_rewrite_trains_bit_identically(prov
 
 
 @pytest.mark.slow
+def test_the_rewrites_prediction_is_within_the_fidelity_bounds(proven, stand_in):
+    """The fidelity bound on lms's rewrite, not only on originals: the proof's plan (made by `lms
+    rewrite --stand-in`), predicted on the stand-in in its own traced order, fits at P / 0.97 and
+    runs out of memory at P / 1.10."""
+    from lmscli.prove import realmem
+
+    _limit, out, _doc, _code = proven
+    model = api.load(str(out))
+    assert any("-lms-swapin-" in node.name for node in model.meta_graph.graph_def.node)
+    prediction, _ = realmem.predict(model, stand_in=stand_in)
+    assert_within_fidelity(stand_in, model, prediction.predicted_standin_bytes)
+
+
+@pytest.mark.slow
 def test_a_broken_plan_is_caught(proven, residual, tmp_path):
     """The same rewrite with every swap-in started by its swap-out (the trigger edges dropped): the
     tensors come straight back, nothing is saved, and verify says so with exit code 5."""
