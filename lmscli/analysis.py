@@ -68,7 +68,7 @@ class Prepared:
     def observed(self, order, scratch: dict | None = None, micros: dict | None = None, orders=()) -> "Prepared":
         """The same step in an execution order observed in a real run on the stand-in (op names; ops
         the run did not show run as soon as they are ready), with kernel scratch and op times if
-        given, and the stand-in's waited sends and buffers (:meth:`Schedule.on_stand_in`). Loop iterations
+        given, and the stand-in's executor (:meth:`Schedule.on_stand_in`). Loop iterations
         running at once hold what ``order`` and the ``orders`` of other traced steps show at most
         (:attr:`Schedule.ahead`)."""
         trace = self.trace.observed(order, micros) if self.trace is not None else None

@@ -393,7 +393,7 @@ def test_on_the_stand_in_a_branchs_activations_are_waited_for_inside_the_branch(
                 if view.ops[i] == "Conv2DBackpropFilter" and view.names[i].startswith("gradients/after_conv"))
     scratch = 1 << 20  # as a CPU kernel's scratch, observed on the stand-in
     seen = prepared.observed((), scratch={grad: scratch})
-    assert seen.schedule.waited_sends
+    assert seen.schedule.stand_in
     facts = api.analyze(seen)
     assert facts.peak_op == grad
     # (half-way to the peak of the graph TensorFlow runs, which holds the runtime's constants too)

@@ -263,8 +263,8 @@ def test_stand_in_plans_never_make_constants_wait(tmp_path):
                      .SerializeToString(deterministic=True))
     prepared = api.prepare(api.load(str(path)))
     sched = prepared.schedule
-    waited = replace(prepared, schedule=replace(sched, waited_sends=True),
-                     schedules=tuple(replace(s, waited_sends=True) for s in prepared.schedules))
+    waited = replace(prepared, schedule=replace(sched, stand_in=True),
+                     schedules=tuple(replace(s, stand_in=True) for s in prepared.schedules))
     facts = api.analyze(waited)
     budget = int(facts.lower_bound_bytes + 0.3 * (facts.peak_bytes - facts.lower_bound_bytes))
     result = tune(waited, api.make_device(gpu_mem=budget, reserve=0.0, link=STAND_IN_LINK), TuneOptions())
@@ -299,8 +299,8 @@ def test_a_fused_kernels_root_never_waits_for_a_swap_out(samples):
     for node in fused.node:
         if node.op == "FusedBatchNormV3" and node.name in relu_inputs:
             node.op = "_FusedBatchNormEx"
-    waited = replace(prepared, optimized=fused, schedule=replace(sched, waited_sends=True),
-                     schedules=tuple(replace(s, waited_sends=True) for s in prepared.schedules))
+    waited = replace(prepared, optimized=fused, schedule=replace(sched, stand_in=True),
+                     schedules=tuple(replace(s, stand_in=True) for s in prepared.schedules))
     facts = api.analyze(waited)
     device = api.make_device(gpu_mem=int(facts.lower_bound_bytes + 0.8 * (facts.peak_bytes - facts.lower_bound_bytes)),
                              reserve=0.0, link=STAND_IN_LINK)

@@ -90,18 +90,18 @@ def test_waiter_waits_for_the_swap_out():
 
 
 def test_a_waited_send_leaves_when_its_waiter_is_reached():
-    # The CPU stand-in (waited_sends): the swap-out of a starts when the executor reaches c, the op
+    # The CPU stand-in (stand_in): the swap-out of a starts when the executor reaches c, the op
     # that waits for it, not when a ends; c then waits for the whole 10 us transfer.
     from dataclasses import replace
 
     s = replace(schedule("abcde", [(0, 1000, [1, 4]), (1, 10, [2]), (2, 10, [3]), (3, 10, [4]), (4, 1, [])]),
-                waited_sends=True)
+                stand_in=True)
     swap = SimSwap(0, near=(1,), groups=(SwapIn((4,), trigger=3),), waiters=(2,))
     r = simulate(s, [swap], link_bandwidth=1e8)
     out = next(t for t in r.transfers if t[0] == "out")
     assert out[2] == pytest.approx(20e-6)  # b ends at 20 us: the executor reaches c and sends a
     assert r.starts[2] == 30  # c waits until the 10 us transfer is done
-    on_gpu = replace(s, waited_sends=False)
+    on_gpu = replace(s, stand_in=False)
     assert next(t for t in simulate(on_gpu, [swap], 1e8).transfers if t[0] == "out")[2] == pytest.approx(10e-6)
 
 
@@ -111,7 +111,7 @@ def test_an_unwaited_send_leaves_with_its_swap_in():
     from dataclasses import replace
 
     s = replace(schedule("abcde", [(0, 1000, [1, 4]), (1, 10, [2]), (2, 10, [3]), (3, 10, [4]), (4, 1, [])]),
-                waited_sends=True)
+                stand_in=True)
     swap = SimSwap(0, near=(1,), groups=(SwapIn((4,), trigger=3),))
     r = simulate(s, [swap], link_bandwidth=math.inf)
     assert all(m >= 1000 for m in r.memory_by_position[:4])
@@ -198,7 +198,7 @@ def test_executor_an_op_waiting_for_a_swap_out_allocates_after_the_copy_is_gone(
 
     s = executor("abcd", [(0, 4096, [1, 3]), (1, 256, []), (2, 8192, []), (3, 256, [])],
                  compute=[10, 10, 10, 10], op_types=["Conv2D", "Relu", "Conv2D", "AddN"])
-    s = replace(s, waited_sends=True)
+    s = replace(s, stand_in=True)
     swap = SimSwap(0, near=(1,), groups=(SwapIn((3,), trigger=2),), waiters=(2,))
     r = simulate(s, [swap])
     assert r.memory_by_position[2] == 8192
@@ -226,7 +226,7 @@ def test_on_the_stand_in_an_output_the_other_process_reads_is_no_inputs_buffer()
     s = replace(s, on_gpu=(True, True, False, True)).with_memory_model("executor")
     assert s.in_place[1] and simulate(s).memory_by_position[1] == 4096
     here = s.on_stand_in()
-    assert here.waited_sends and not here.in_place[1]
+    assert here.stand_in and not here.in_place[1]
     assert simulate(here).memory_by_position[1] == 8192
 
 
@@ -239,7 +239,7 @@ def test_on_the_stand_in_a_swapped_output_is_no_inputs_buffer():
                  op_types=["BiasAdd", "Relu", "Sum", "Conv2D", "AddN"])
     swap = SimSwap(1, near=(2,), groups=(SwapIn((4,), trigger=3),))
     assert simulate(s, [swap]).memory_by_position[1] == 4096
-    assert simulate(replace(s, waited_sends=True), [swap]).memory_by_position[1] == 8192
+    assert simulate(replace(s, stand_in=True), [swap]).memory_by_position[1] == 8192
 
 
 def test_executor_rounds_like_the_allocator():

@@ -25,7 +25,6 @@ from lmscli.graph.graphview import CONSTANT_OPS, DEFAULT_GPU, PLACEHOLDER_OPS, V
 from lmscli.timing import timed
 
 
-
 @dataclass(frozen=True)
 class SimTensor:
     id: int
@@ -59,9 +58,10 @@ class Schedule:
     shares: tuple[int, ...] = ()  # executor model: per tensor, the tensor whose buffer it shares
     in_place: tuple[bool, ...] = ()  # executor model: per tensor, that link is an in-place reuse
     scratch: tuple[int, ...] = ()  # per position, kernel scratch bytes held while the op runs
-    # The CPU stand-in's executor: a swap-out's transfer starts only when an op waits for it (see
-    # lmscli.model.simulator); a GPU's starts when its producer ends.
-    waited_sends: bool = False
+    # The step as the CPU stand-in's executor runs it (set by on_stand_in): a swap-out's transfer
+    # starts only when an op waits for it (see lmscli.model.simulator), where a GPU's starts when
+    # its producer ends; and an output the other process reads is no input's buffer (memmodel.sharing).
+    stand_in: bool = False
     # Gradient stacks kept on the host (lmscli.plan.hoststacks): per loop and direction, (position,
     # bytes copied over one step, microseconds of the loop's compute those copies can hide behind),
     # and per stack (first push, last pop, bytes) of host memory.
@@ -87,13 +87,13 @@ class Schedule:
         return replace(self, scratch=tuple(int(by_name.get(name, 0)) for name in self.names))
 
     def on_stand_in(self) -> "Schedule":
-        """The same step as the CPU stand-in runs it: a swap-out's transfer waits for an op that
-        needs it (``waited_sends``), and an op whose output the other process reads takes a buffer
-        of its own (:func:`lmscli.model.memmodel.sharing`; counted again, as a schedule given
-        ``waited_sends`` by ``replace`` alone has a GPU's sharing)."""
+        """The same step as the CPU stand-in runs it (``stand_in``): a swap-out's transfer waits
+        for an op that needs it, and an op whose output the other process reads takes a buffer of
+        its own (:func:`lmscli.model.memmodel.sharing`; counted again, as a schedule given
+        ``stand_in`` by ``replace`` alone has a GPU's sharing)."""
         from dataclasses import replace
 
-        return replace(self, waited_sends=True).with_memory_model(self.memory_model)
+        return replace(self, stand_in=True).with_memory_model(self.memory_model)
 
     def with_memory_model(self, memory_model: str) -> "Schedule":
         """The same schedule counted by another memory model (``executor`` or ``grappler``)."""
@@ -106,7 +106,7 @@ class Schedule:
         shares, in_place = ((), ())
         if memory_model == "executor":
             shares, in_place = memmodel.sharing(self.ops, self.tensors, self.inputs, self.on_gpu, self.reads_constant,
-                                                self.carried, stand_in=self.waited_sends)
+                                                self.carried, stand_in=self.stand_in)
         return replace(self, memory_model=memory_model, shares=shares, in_place=in_place)
 
     def without(self, names) -> "Schedule":

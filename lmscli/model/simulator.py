@@ -23,7 +23,7 @@ Model of one training step (times are whole microseconds, so equal times are exa
 * Gradient stacks kept on the host (``schedule.stack_copies``): a loop's pushes copy one
   iteration's value each to the host, its pops one each back, on the link while the loop computes;
   the op at the given position is delayed by what the copies take beyond the loop's compute.
-* On the CPU stand-in (``schedule.waited_sends``) a swap-out starts only when the first op that
+* On the CPU stand-in (``schedule.stand_in``) a swap-out starts only when the first op that
   waits for it is reached (its send is an expensive CPU kernel, queued behind the ops the
   executor runs inline), or at its first swap-in's trigger when nothing waits for it.
 
@@ -126,7 +126,7 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
     sent_at: dict[int, list[int]] = {}  # waited sends: position -> tensors whose swap-out starts there
     for tid in sorted(swap_of):
         swap = swap_of[tid]
-        if schedule.waited_sends and not swap.recompute:
+        if schedule.stand_in and not swap.recompute:
             first = min((swap.near if swap.sync_out else ()) + swap.waiters, default=None)
             if first is not None:
                 sent_at.setdefault(max(first, tensors[tid].producer + 1), []).append(tid)
@@ -371,7 +371,7 @@ def _executor_events(schedule, swap_of, start, end, out_start, out_end, in_start
         process reads is never an input's)."""
         if link in swap_of and not swap_of[link].recompute:
             return True
-        return schedule.waited_sends and tid in swap_of and not swap_of[tid].recompute
+        return schedule.stand_in and tid in swap_of and not swap_of[tid].recompute
 
     buffer_of: dict[int, tuple] = {}  # tensor id -> ("t", root id) or ("in", tensor id, group)
     alloc: dict[tuple, tuple[int, int, int]] = {}  # buffer -> (time, order, bytes)

@@ -140,7 +140,7 @@ class _Context:
         # "expensive" CPU kernel, which the executor queues behind the chain of ops it runs inline,
         # so an unwaited swap-out of a forward activation runs after the forward pass. (A GPU's
         # executor runs every kernel inline as it becomes ready, sends included.)
-        self.waited_out = self.schedule.waited_sends
+        self.waited_out = self.schedule.stand_in
 
     def narrowed(self) -> "_Context":
         """This context without the candidates TFLMS did not swap (:attr:`Candidate.beyond_tflms`),
