@@ -114,6 +114,30 @@ def run_peak(prepared: Prepared, rewritten, optimized, link_bandwidth: float = f
     return stand_in_need(prepared, rewritten, device)
 
 
+def judged_limits(device: Device) -> tuple[int, int]:
+    """The two limits :func:`stand_in_need` runs a rewrite under: the device's whole memory in whole
+    MiB (at least 1 MiB), and that less half the reserve (at least 1 MiB less), the headroom a plan
+    keeps."""
+    from lmscli.prove.standin import MIB
+
+    limit = max(MIB, device.gpu_mem // MIB * MIB)
+    return limit, max(MIB, (limit - max(MIB, int(limit * device.reserve / 2))) // MIB * MIB)
+
+
+def region_need(prepared: Prepared, plan: Plan, device: Device) -> int:
+    """The smallest limit under which the plan's step finds room in the stand-in allocator's one
+    region, fragmentation included, by the executor model in the order the planner plans in (the
+    original's traced order): :func:`lmscli.model.memmodel.bounded_min_limit`. The planner counts
+    the bytes in use; the allocator can need much more for the same bytes (a 3D U-Net plan with
+    58 MiB in use at its peak was modelled to need 73 MiB, and one with 66 MiB in use ran out of
+    memory under 78 MiB: a 16 MiB request failed with 47 MiB in use)."""
+    from lmscli.model.simulator import simulate
+    from lmscli.plan.document import simulated
+
+    return simulate(*simulated(plan, prepared.schedule, prepared.view), device.link_bandwidth, detail=False,
+                    allocator=True).allocator_peak_bytes
+
+
 STAND_IN_JUDGE_RUNS = 5  # fresh runs of a rewrite on the stand-in before its judge says it fits ...
 STAND_IN_JUDGE_STEPS = 2  # ... of this many training steps each, as `lms verify` runs
 
@@ -137,10 +161,28 @@ def stand_in_need(prepared: Prepared, rewritten, device: Device) -> int:
     five runs peaked at 23.5 MiB in use under 29, then needed 29.7 in one verify run of ten). The
     peak in use cannot tell: BFC hands a free chunk out whole when splitting it would leave less
     than the request (a two-loss net showed 53.9 of 54 MiB in use in every run, and trained under
-    51), and the region's fragmentation varies from run to run."""
+    51), and the region's fragmentation varies from run to run.
+
+    A graph judged under the same limits before, by the same stand-in, is not run again: its
+    figure and verdict are the ones its runs gave (the region's check (:mod:`lmscli.plan.tuning`)
+    comes back to the same plan from nearby margins, and the hybrid's other searches make the
+    same plans: a 3D U-Net's tune ran 40 s of runs on each of them twice)."""
+    import hashlib
+
+    limit, tighter = judged_limits(device)
+    stand_in = prepared.stand_in
+    key = (hashlib.sha256(rewritten.SerializeToString(deterministic=True)).hexdigest(), limit, tighter,
+           device.budget, tuple(prepared.model.fetches), prepared.batch_size)
+    if key not in stand_in.judged:
+        figure = _stand_in_need(prepared, rewritten, device, limit, tighter)
+        stand_in.judged[key] = (figure, stand_in.last_verdict)
+    figure, stand_in.last_verdict = stand_in.judged[key]
+    return figure
+
+
+def _stand_in_need(prepared: Prepared, rewritten, device: Device, limit: int, tighter: int) -> int:
     from lmscli.prove.standin import MIB
 
-    limit = max(MIB, device.gpu_mem // MIB * MIB)
     stand_in = prepared.stand_in
 
     def runs(under: int):
@@ -151,7 +193,6 @@ def stand_in_need(prepared: Prepared, rewritten, device: Device) -> int:
     verdict = runs(limit)
     if not verdict.fits:
         return device.budget + max((verdict.need_bytes or 0) - limit, MIB, limit // 50)
-    tighter = max(MIB, (limit - max(MIB, int(limit * device.reserve / 2))) // MIB * MIB)
     headroom = runs(tighter)
     failure = (f"under {format_size(tighter)} ({format_size(limit - tighter)} below the limit, the headroom a plan "
                f"keeps): {headroom.message}") if headroom.message else None

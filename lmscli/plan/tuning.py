@@ -252,6 +252,9 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
     rounds = 0
     while True:
         rounds += 1
+        if prepared.stand_in is not None and not manual and not search.done and len(prepared.schedules) <= 1:
+            result = _fitting_the_region(prepared, device, replace(options, forbidden=frozenset(forbidden),
+                                                                   no_wait=frozenset(no_wait)), margins, result, search)
         timing.step(f"round {rounds}: checking a plan of {len(result.plan.swaps)} swap(s)"
                     + (f" and {len(result.plan.recomputes)} recomputation(s)" if result.plan.recomputes else ""))
         meta, _ = emit(prepared, result.plan, host_device=host_device, force=True)
@@ -374,6 +377,59 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
     raise NoFitError(f"the simulator found plans, but Grappler's estimate stayed over the budget after "
                      f"{GRAPPLER_ROUNDS} rounds (last {format_size(figures['peak_bytes'])} > {format_size(device.budget)}); "
                      "try a slightly larger --gpu-mem", budget_bytes=device.budget)
+
+
+REGION_STEPS = 16  # planning margins tried up from the judge's while the region model says a plan does not fit
+
+
+def _fitting_the_region(prepared: Prepared, device: Device, options: TuneOptions, margins: dict,
+                        result: TuneResult, search: "_RunSearch") -> TuneResult:
+    """On the stand-in, before its real runs judge a plan: a plan whose step the allocator model
+    (:func:`lmscli.plan.judge.region_need`, fragmentation included) says needs more than the
+    judge's tighter limit is planned again for a larger margin, in steps of 1% of the budget (at
+    least 1 MiB) up to :data:`REGION_STEPS` of them, until one is modelled to fit; that plan (its
+    margin now the search's) goes to the judge. When none is, the plan at hand goes as it is: the
+    model, laid out in the original's order, is not the truth, the runs are.
+
+    The planner counts bytes in use, and the allocator can need far more for them, not even
+    monotonically in the margin: a 3D U-Net 64³ at 78 MiB, margins 0 to 10 MiB, needed 80, 83, 81,
+    77, 77, 77, 69 MiB by the model (real runs: out of memory under 74, then under 78 for the
+    next four), with 70 down to 66 MiB in use; the search's five rounds each moved the margin by
+    the 1.56 MiB a failed run adds and found no plan there."""
+    from lmscli.errors import NoFitError
+    from lmscli.plan.judge import judged_limits, region_need
+    from lmscli.plan.planner import tune as plan_tune
+
+    if not result.plan.changes:
+        return result
+    _, tighter = judged_limits(device)
+    need = region_need(prepared, result.plan, device)
+    if need <= tighter:
+        return _with_region(result, need)
+    name = prepared.schedule.device
+    start = margins.get(name, 0)
+    step = max(1 << 20, device.budget // 100)
+    for k in range(1, REGION_STEPS + 1):
+        margin = start + k * step
+        if device.budget - margin <= prepared.schedule.resident_bytes or timing.out_of_time():
+            break
+        try:
+            planned = plan_tune(prepared, device, options, margin={**margins, name: margin})
+        except NoFitError:
+            break
+        needs = region_need(prepared, planned.plan, device)
+        if needs <= tighter:
+            margins[name] = search.margin = margin
+            line = (f"[LMS] the allocator model (fragmentation included, in the traced order) said the plan for "
+                    f"{format_size(device.budget - start)} needs {format_size(need)} > {format_size(tighter)}; "
+                    f"planned for {format_size(device.budget - margin)} instead ({format_size(needs)})")
+            return _with_region(replace(planned, log=planned.log + (line,)), needs)
+    return _with_region(result, need)
+
+
+def _with_region(result: TuneResult, need: int) -> TuneResult:
+    """``result`` with the allocator model's need in its figures (``predicted.region_need_bytes``)."""
+    return replace(result, plan=replace(result.plan, predicted=dict(result.plan.predicted, region_need_bytes=need)))
 
 
 def _resimulated(prepared: Prepared, result: TuneResult) -> TuneResult:

@@ -579,6 +579,7 @@ class StandIn:
         self._zygote: _Zygote | None = None
         self._closed = False
         self.last_verdict: StepVerdict | None = None  # of the last call of run()
+        self.judged: dict = {}  # the tune loop's judge: (graph, limits) -> (its figure, the verdict)
         _OPEN.add(self)
 
     def __enter__(self) -> "StandIn":
