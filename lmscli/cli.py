@@ -209,6 +209,10 @@ def plan_options(func):
                   help="Leave while loops' parallel_iterations as they are. By default a plan runs each loop one "
                        "iteration at a time (the same results), as lms's memory model counts it: overlapping "
                        "iterations each hold their own temporaries.")
+    @click.option("--keep-order", is_flag=True,
+                  help="Add no control edges that only reorder ops. By default a plan may run an op that frees more "
+                       "memory than it makes before a sibling that allocates (a filter gradient before its input "
+                       "gradient; the same results).")
     @click.option("--judge", type=click.Choice(["executor", "grappler"]), default="executor", show_default=True,
                   help="What decides that a plan fits: the simulator of TensorFlow's executor (what a run really "
                        "allocates), or Grappler's static estimate (conservative; today's TFLMS-like behaviour).")
@@ -229,7 +233,7 @@ def plan_options(func):
 
 def _tune_options(strategy, swapout_threshold, swapin_ahead, swapin_groupby, sync_mode, include_scope,
                   exclude_scope, include_type, exclude_type, exclude_consumer_scope, exclude_consumer_type,
-                  keep_loop_parallelism=False):
+                  keep_loop_parallelism=False, keep_order=False):
     from lmscli.plan.candidates import Filters
     from lmscli.plan.planner import TflmsParams, TuneOptions
 
@@ -246,7 +250,7 @@ def _tune_options(strategy, swapout_threshold, swapin_ahead, swapin_groupby, syn
                             swapin_groupby if swapin_groupby is not None else 0,
                             sync_mode or 0)
     return TuneOptions(strategy=strategy, filters=filters, tflms=tflms, sync_mode=sync_mode or 0,
-                       serial_loops=not keep_loop_parallelism)
+                       serial_loops=not keep_loop_parallelism, reorder=not keep_order)
 
 
 def _device(prepared, gpu_mem, device_preset, reserve, host_mem, link):

@@ -125,29 +125,41 @@ class Schedule:
         gradient stack kept on the host would keep); ops and order are unchanged, ids renumbered."""
         return self._keeping(frozenset(), frozenset(ids)) if ids else self
 
-    def _keeping(self, drop_positions, drop_tensors) -> "Schedule":
+    def reordered(self, order) -> "Schedule":
+        """The same ops run in ``order`` (old positions, a permutation that keeps every tensor's
+        producer before its consumers): positions and tensor ids renumbered (ids in producer order).
+
+        Before::  A (makes dx) ; B (last reads x)      x and dx live together at A
+        After::   B ; A                                x is gone before dx is made
+
+        For schedules without stacks on the host (their positions are not renumbered)."""
+        return self._keeping(frozenset(), frozenset(), order)
+
+    def _keeping(self, drop_positions, drop_tensors, order=None) -> "Schedule":
         """The schedule without the ops at ``drop_positions`` (and their outputs) and without the
-        tensors ``drop_tensors``: positions and tensor ids renumbered, the order kept."""
+        tensors ``drop_tensors``: positions and tensor ids renumbered, the order kept (or that of
+        ``order``, old positions)."""
         from dataclasses import replace
 
-        kept = [pos for pos in range(len(self.nodes)) if pos not in drop_positions]
+        kept = [pos for pos in (range(len(self.nodes)) if order is None else order) if pos not in drop_positions]
         new_pos = {old: new for new, old in enumerate(kept)}
         tensors: list[SimTensor] = []
         new_id: dict[int, int] = {}
-        for t in self.tensors:
-            if t.producer in drop_positions or t.id in drop_tensors:
-                continue
+        survivors = [t for t in self.tensors if t.producer not in drop_positions and t.id not in drop_tensors]
+        if order is not None:
+            survivors.sort(key=lambda t: (new_pos[t.producer], t.output))
+        for t in survivors:
             new_id[t.id] = len(tensors)
             tensors.append(SimTensor(len(tensors), new_pos[t.producer], t.output, t.num_bytes,
-                                     tuple(new_pos[c] for c in t.consumers if c not in drop_positions), t.pieces,
-                                     t.least_bytes))
+                                     tuple(sorted(new_pos[c] for c in t.consumers if c not in drop_positions)),
+                                     t.pieces, t.least_bytes))
         inputs = tuple(tuple(new_id[tid] for tid in self.inputs[pos] if tid in new_id) for pos in kept)
         pick = lambda values: tuple(values[pos] for pos in kept) if values else values  # noqa: E731
         ahead = []
         for first, last, num_bytes in self.ahead:
             span = [new_pos[pos] for pos in range(first, last + 1) if pos in new_pos]
             if span:
-                ahead.append((span[0], span[-1], num_bytes))
+                ahead.append((min(span), max(span), num_bytes))
         pruned = replace(self, nodes=pick(self.nodes), names=pick(self.names), ops=pick(self.ops),
                          levels=pick(self.levels), compute=pick(self.compute), on_gpu=pick(self.on_gpu),
                          tensors=tuple(tensors), inputs=inputs, scratch=pick(self.scratch), shares=(), in_place=(),

@@ -92,8 +92,8 @@ class Plan:
     @property
     def changes(self) -> bool:
         """Does applying the plan change the graph (swaps, recomputations, stacks on the host,
-        serial loops)?"""
-        return bool(self.swaps or self.recomputes or self.host_stacks or self.serial_loops)
+        serial loops, ops made to run in another order)?"""
+        return bool(self.swaps or self.recomputes or self.host_stacks or self.serial_loops or self.serialize)
 
     @property
     def recompute_bytes(self) -> int:
@@ -189,12 +189,17 @@ def tensor_ids(schedule: Schedule) -> dict[str, int]:
 
 def simulated(plan: Plan, schedule: Schedule, view) -> tuple[Schedule, list[SimSwap]]:
     """What the simulator runs for ``plan`` on ``schedule``: its loops one iteration at a time when
-    it says so (:func:`lmscli.model.loops.run_serially`), the schedule its stacks on the host leave
+    it says so (:func:`lmscli.model.loops.run_serially`), its ops in the order its ``serialize``
+    chains set (:func:`lmscli.plan.ordering.applied`), the schedule its stacks on the host leave
     (:func:`lmscli.plan.hoststacks.hosting`), and its swaps and recomputations on that schedule."""
     if plan.serial_loops:
         from lmscli.model.loops import run_serially
 
         schedule = run_serially(schedule, view)
+    if plan.serialize:
+        from lmscli.plan.ordering import applied
+
+        schedule = applied(schedule, plan.serialize)
     stacks = [h for h in plan.host_stacks if not h.gpu or h.gpu == schedule.device]
     if stacks:
         from lmscli.plan import hoststacks

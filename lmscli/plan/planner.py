@@ -73,6 +73,7 @@ class TuneOptions:
     forbidden: frozenset = frozenset()  # tensors ("node:output") never to swap (the optimizer guard's)
     no_wait: frozenset = frozenset()  # ops never to wait for a swap-out (the optimizer guard's)
     serial_loops: bool = True  # a plan runs loops with parallel iterations one iteration at a time
+    reorder: bool = True  # a plan may run ops that free more than they make earlier (lmscli.plan.ordering)
 
 
 @dataclass(frozen=True)
@@ -979,10 +980,54 @@ def _tune(prepared: Prepared, device: Device, options: TuneOptions, margin) -> T
         margin = margin.get(prepared.schedule.device, 0)
     log: list[str] = []
     try:
+        moves = _moves(prepared, device, options, margin)
+        if moves:
+            return _reordered(prepared, device, options, margin, log, *moves)
         return _tune_one(prepared, device, options, margin, log)
     except NoFitError as exc:
         exc.log = exc.log or tuple(log)
         raise
+
+
+def _moves(prepared: Prepared, device: Device, options: TuneOptions, margin: int):
+    """(chains, schedule): the moves of :func:`lmscli.plan.ordering.freeing_first` for a step over
+    its budget, and the schedule they make; None when there are none, when the step fits as it is,
+    for TFLMS's search (it never reordered) or when the moves would raise the peak."""
+    from lmscli.plan import ordering
+
+    if not options.reorder or strategy_name(options.strategy) == "tflms" or prepared.schedule.memory_model != "executor":
+        return None
+    written = simulate(prepared.schedule, (), device.link_bandwidth, detail=False).peak_bytes
+    if written <= device.budget - margin:
+        return None
+    chains = ordering.freeing_first(prepared.view, prepared.schedule, prepared.fused)
+    if not chains:
+        return None
+    moved = ordering.applied(prepared.schedule, chains)
+    if simulate(moved, (), device.link_bandwidth, detail=False).peak_bytes > written:
+        return None
+    return chains, moved
+
+
+def _reordered(prepared: Prepared, device: Device, options: TuneOptions, margin: int, log: list[str], chains,
+               moved: Schedule) -> TuneResult:
+    """The plan for the step with ``chains``' moves made (``moved``), the moves kept in the plan
+    (``serialize``) and its figures against the step as written."""
+    baseline = simulate(prepared.schedule, (), device.link_bandwidth)
+    lines: list[str] = []
+    result = _tune_one(replace(prepared, schedule=moved, schedules=(moved,)), device, options, margin, lines)
+    after = simulate(moved, (), device.link_bandwidth, detail=False).peak_bytes
+    log.append(f"[LMS] [Simulator] {len(chains)} op(s) that free more memory than they make run just before the op "
+               f"next to them (a control edge each; the same results): the step needs {format_size(after)} instead of "
+               f"{format_size(baseline.peak_bytes)} before anything is swapped or made again")
+    log.extend(line for line in lines if not line.startswith("[LMS] [Simulator] LMS is not necessary"))
+    plan = result.plan
+    figures = dict(plan.predicted, **predicted(baseline, result.result, device.budget,
+                                                plan.predicted.get("recompute_flops", 0)))
+    plan = replace(plan, serialize=tuple(chains) + plan.serialize, predicted=figures)
+    if options.serial_loops and not plan.serial_loops:
+        plan = replace(plan, serial_loops=parallel_loops(prepared.view, moved.names))
+    return replace(result, plan=plan, baseline=baseline, necessary=True, log=tuple(log))
 
 
 def _tune_one(prepared: Prepared, device: Device, options: TuneOptions, margin: int, log: list[str]) -> TuneResult:

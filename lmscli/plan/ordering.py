@@ -1,0 +1,107 @@
+"""Ops that free more than they allocate, run before the sibling ops that allocate (control edges).
+
+The executor picks among the ops that are ready in its own order. In a backward pass it often
+runs a convolution's input gradient before its filter gradient: both read the gradient coming in,
+but only the filter gradient reads the layer's input, which dies with it. Run first, the input
+gradient holds its (large) output while the layer's input is still live; run second, it finds the
+input gone. A 3D U-Net 64³ held 16 MiB more at that point than the step needed::
+
+    before:  dy -> dx = BackpropInput(dy)     [x 16 MiB, dy 8, dx 16 live]
+                   dW = BackpropFilter(x, dy) [x dies]
+    after:   dy -> dW = BackpropFilter(x, dy) [x dies: 16 MiB free]
+                   dx = BackpropInput(dy)     [dy 8, dx 16 live]    (control edge dW -> dx)
+
+:func:`freeing_first` finds such moves in a schedule: an op ``B`` whose inputs all exist before
+an earlier position ``p``, that frees there buffers no op from ``p`` on reads but it (its inputs'
+last read, forwarded copies included) larger than the outputs it makes, is moved to just before the op at ``p`` (at most
+:data:`WINDOW` positions earlier); the op there waits for it. A plan keeps the moves as
+``serialize`` chains ``(B, op at p)``, emitted as control edges and simulated by :func:`applied`.
+Ops in while loops or cond branches, control-flow ops, host ops and ops Grappler's optimizations
+remove are never moved nor made to wait. Results do not change: the same kernels run on the same
+inputs, one after the other instead of the other way round.
+"""
+
+from __future__ import annotations
+
+from lmscli.graph.graphview import CONSTANT_OPS, CONTROL_FLOW_OPS, GraphView
+from lmscli.model.memmodel import FORWARDING_OPS, roots
+from lmscli.model.schedule import Schedule
+
+WINDOW = 8  # how many positions earlier an op may be moved
+MIN_GAIN = 64 << 10  # bytes an op must free beyond what it makes to be worth moving
+
+
+def freeing_first(view: GraphView, schedule: Schedule, fused: frozenset = frozenset()) -> tuple[tuple[str, str], ...]:
+    """The moves for ``schedule``: ``(B, A)`` pairs of op names, B to run just before A (which it
+    precedes in no data or control path today), in schedule order of A; each op moved at most once
+    and made to wait at most once."""
+    n = len(schedule)
+    pos_of = {node: k for k, node in enumerate(schedule.nodes)}
+    root = roots(schedule) if schedule.shares else tuple(range(len(schedule.tensors)))  # -1: resident
+    uses: dict[int, set] = {}  # buffer -> the positions making or reading any tensor in it
+    for t in schedule.tensors:
+        uses.setdefault(root[t.id], set()).update((t.producer, *t.consumers))
+    last = {r: max(u) for r, u in uses.items()}
+    before_last = {r: max(u - {last[r]}, default=-1) for r, u in uses.items()}
+    size = {t.id: t.num_bytes for t in schedule.tensors}
+    size[-1] = 0
+
+    def movable(k: int) -> bool:
+        node = schedule.nodes[k]
+        op = schedule.ops[k]
+        return (schedule.on_gpu[k] and op not in CONTROL_FLOW_OPS and op not in CONSTANT_OPS
+                and op not in FORWARDING_OPS and node not in fused and view.names[node] not in fused
+                and not view.in_loop(node) and not view.conditional(node))
+
+    moved: set[int] = set()
+    waiting: set[int] = set()
+    out: list[tuple[int, int]] = []
+    for b in range(n):
+        if not movable(b):
+            continue
+        freeing = {r for r in {root[tid] for tid in schedule.inputs[b]} if r >= 0 and last.get(r) == b}
+        made = sum(size[tid] for tid in schedule.outputs[b] if root[tid] == tid)
+        if sum(size[r] for r in freeing) - made < MIN_GAIN:
+            continue
+        node = schedule.nodes[b]
+        preds = [pos_of[src] for src, _ in view.data_inputs[node] if src in pos_of]
+        preds += [pos_of[src] for src in view.control_inputs[node] if src in pos_of]
+        ready = max(preds, default=-1) + 1
+        if any(t.producer >= ready for t in (schedule.tensors[tid] for tid in schedule.inputs[b])):
+            continue
+
+        def gain(k: int) -> int:
+            # (what it frees there: the buffers no other op reads from ``k`` on)
+            return sum(size[r] for r in freeing if before_last[r] < k) - made
+
+        # The earliest place within reach, after everything it reads, before an op that makes a
+        # buffer (nothing to gain ahead of ops that only forward or free), where it frees enough.
+        p = next((k for k in range(max(ready, b - WINDOW), b)
+                  if k not in moved and k not in waiting and movable(k) and gain(k) >= MIN_GAIN
+                  and any(root[tid] == tid and size[tid] for tid in schedule.outputs[k])), None)
+        if p is None:
+            continue
+        moved.add(b)
+        waiting.add(p)
+        out.append((b, p))
+    out.sort(key=lambda m: m[1])
+    return tuple((schedule.names[b], schedule.names[p]) for b, p in out)
+
+
+def applied(schedule: Schedule, chains) -> Schedule:
+    """``schedule`` with each chain's ops run in the chain's order: an op that comes later than the
+    op after it in a chain is moved to just before that op (the moves of :func:`freeing_first`;
+    chains already in order, as ``--serialize`` makes them, change nothing)."""
+    order = list(range(len(schedule)))
+    index = {name: k for k, name in enumerate(schedule.names)}
+    changed = False
+    for chain in chains:
+        for first, then in zip(chain, chain[1:]):
+            a, b = index.get(first), index.get(then)
+            if a is None or b is None:
+                continue
+            at_a, at_b = order.index(a), order.index(b)
+            if at_a > at_b:
+                order.insert(at_b, order.pop(at_a))
+                changed = True
+    return schedule.reordered(order) if changed else schedule
