@@ -61,9 +61,9 @@ def test_moves_keep_a_valid_order_and_never_raise_the_peak(name):
 def test_the_3d_unets_filter_gradients_run_before_its_input_gradients():
     """The sample 3D U-Net in the stand-in's traced order: a decoder convolution's filter gradient
     (the last reader of the concatenation it convolved) is moved before its input gradient (which
-    makes a buffer that size), and the planner's floor follows: a plan for 10 MiB in use, where
-    without the moves none is; the plan's figures are the step's as written, and replaying the
-    plan (its JSON) gives its peak."""
+    makes a buffer that size), and the planner's floor follows: it plans for less than without the
+    moves (9 to 9.5 MiB against 10 to 10.5, in three traced orders); the plan's figures are the
+    step's as written, and replaying the plan (its JSON) gives its peak."""
     from lmscli.device import STAND_IN_LINK
     from lmscli.plan.planner import tune as plan_tune
 
@@ -71,10 +71,18 @@ def test_the_3d_unets_filter_gradients_run_before_its_input_gradients():
     moves = ordering.freeing_first(prepared.view, prepared.schedule, prepared.fused)
     convs = [m for m in moves if m[0].endswith("Conv3DBackpropFilterV2")]
     assert convs and all(then == first.replace("FilterV2", "InputV2") for first, then in convs)
-    device = api.make_device(gpu_mem=10 << 20, reserve=0.0, link=STAND_IN_LINK)
-    with pytest.raises(api.NoFitError):
-        plan_tune(prepared, device, api.TuneOptions(reorder=False))
-    result = plan_tune(prepared, device)
+    def floor(options):
+        for half_mib in range(16, 40):  # 8 to 20 MiB
+            device = api.make_device(gpu_mem=half_mib << 19, reserve=0.0, link=STAND_IN_LINK)
+            try:
+                return device, plan_tune(prepared, device, options)
+            except api.NoFitError:
+                continue
+        raise AssertionError("no plan up to 20 MiB")
+
+    kept, _ = floor(api.TuneOptions(reorder=False))
+    device, result = floor(api.TuneOptions())
+    assert device.budget < kept.budget
     assert result.result.peak_bytes <= device.budget and set(moves) <= set(result.plan.serialize)
     assert result.plan.predicted["peak_bytes_without_plan"] == simulate(prepared.schedule).peak_bytes
     replayed = api.replay(prepared, api.Plan.from_json(result.plan.to_json()))

@@ -70,7 +70,7 @@ def freeing_first(view: GraphView, schedule: Schedule, fused: frozenset = frozen
         if any(t.producer >= ready for t in (schedule.tensors[tid] for tid in schedule.inputs[b])):
             continue
 
-        def gain(k: int) -> int:
+        def gain(k: int, freeing=freeing, made=made) -> int:
             # (what it frees there: the buffers no other op reads from ``k`` on)
             return sum(size[r] for r in freeing if before_last[r] < k) - made
 
