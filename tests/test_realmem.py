@@ -473,7 +473,9 @@ def test_a_no_plan_answer_after_turned_down_runs_names_them_and_the_bound(sample
     bare = _with_bound(NoFitError("turned down"), prepared)
     bound = api.analyze(prepared)
     assert (bare.bound_bytes, bare.binding_op) == (bound.lower_bound_bytes, bound.lower_bound_op)
-    assert str(bare) == f"turned down; no plan can fit under the lower bound, {format_size(bound.lower_bound_bytes)}"
+    # (QA: "no plan can fit under the lower bound, 9.84 MiB" read as if the limit, 14 MiB, were under it)
+    lowest = format_size(bound.lower_bound_bytes)
+    assert str(bare) == f"turned down (the step's lower bound, under which no plan fits, is {lowest})"
 
 
 def test_verify_knows_a_rewrite_planned_for_the_stand_in():

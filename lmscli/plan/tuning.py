@@ -64,7 +64,8 @@ def _with_bound(exc: NoFitError, prepared: Prepared) -> NoFitError:
     text = str(exc)
     if "lower bound" not in text:  # ... and says it (QA: only "try a slightly larger --gpu-mem")
         head, sep, advice = text.partition("; try ")
-        exc.args = (f"{head}; no plan can fit under the lower bound, {format_size(exc.bound_bytes)}{sep}{advice}",)
+        exc.args = (f"{head} (the step's lower bound, under which no plan fits, is {format_size(exc.bound_bytes)})"
+                    f"{sep}{advice}",)
     return exc
 
 
