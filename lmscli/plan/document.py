@@ -199,7 +199,7 @@ def simulated(plan: Plan, schedule: Schedule, view) -> tuple[Schedule, list[SimS
     if plan.serialize:
         from lmscli.plan.ordering import applied
 
-        schedule = applied(schedule, plan.serialize)
+        schedule = applied(schedule, plan.serialize, view)
     stacks = [h for h in plan.host_stacks if not h.gpu or h.gpu == schedule.device]
     if stacks:
         from lmscli.plan import hoststacks

@@ -88,10 +88,12 @@ def freeing_first(view: GraphView, schedule: Schedule, fused: frozenset = frozen
     return tuple((schedule.names[b], schedule.names[p]) for b, p in out)
 
 
-def applied(schedule: Schedule, chains) -> Schedule:
+def applied(schedule: Schedule, chains, view: GraphView | None = None) -> Schedule:
     """``schedule`` with each chain's ops run in the chain's order: an op that comes later than the
-    op after it in a chain is moved to just before that op (the moves of :func:`freeing_first`;
-    chains already in order, as ``--serialize`` makes them, change nothing)."""
+    op after it in a chain is moved to just before that op (the moves of :func:`freeing_first`),
+    when what it reads (and, given ``view``, what it waits for) is made before that op; else the
+    two stay as they are (a ``--serialize`` chain of one level's ops, whose inputs may be made in
+    between)."""
     order = list(range(len(schedule)))
     index = {name: k for k, name in enumerate(schedule.names)}
     changed = False
@@ -101,7 +103,20 @@ def applied(schedule: Schedule, chains) -> Schedule:
             if a is None or b is None:
                 continue
             at_a, at_b = order.index(a), order.index(b)
-            if at_a > at_b:
+            if at_a > at_b and all(order.index(k) < at_b for k in _needs(schedule, a, view, index)):
                 order.insert(at_b, order.pop(at_a))
                 changed = True
     return schedule.reordered(order) if changed else schedule
+
+
+def _needs(schedule: Schedule, k: int, view: GraphView | None, index: dict) -> list[int]:
+    """Positions of what the op at ``k`` reads (counted tensors; with ``view``, every data and
+    control input of the schedule, loops' back edges aside)."""
+    out = [schedule.tensors[tid].producer for tid in schedule.inputs[k]]
+    if view is not None:
+        node = schedule.nodes[k]
+        for src in [s for s, _ in view.data_inputs[node]] + list(view.control_inputs[node]):
+            name = view.names[src]
+            if name in index and not view.is_back_edge(src, node):
+                out.append(index[name])
+    return out

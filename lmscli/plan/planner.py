@@ -1009,7 +1009,7 @@ def _moves(prepared: Prepared, device: Device, options: TuneOptions, margin: int
     chains = ordering.freeing_first(prepared.view, prepared.schedule, prepared.fused)
     if not chains:
         return None
-    moved = ordering.applied(prepared.schedule, chains)
+    moved = ordering.applied(prepared.schedule, chains, prepared.view)
     if simulate(moved, (), device.link_bandwidth, detail=False).peak_bytes > written:
         return None
     return chains, moved
@@ -1023,9 +1023,11 @@ def _reordered(prepared: Prepared, device: Device, options: TuneOptions, margin:
     lines: list[str] = []
     result = _tune_one(replace(prepared, schedule=moved, schedules=(moved,)), device, options, margin, lines)
     after = simulate(moved, (), device.link_bandwidth, detail=False).peak_bytes
+    peak = (f"the step's peak is {format_size(after)} instead of {format_size(baseline.peak_bytes)}"
+            if after < baseline.peak_bytes else f"the step's peak stays {format_size(after)}, and less is held elsewhere")
     log.append(f"[LMS] [Simulator] {len(chains)} op(s) that free more memory than they make run just before the op "
-               f"next to them (a control edge each; the same results): the step needs {format_size(after)} instead of "
-               f"{format_size(baseline.peak_bytes)} before anything is swapped or made again")
+               f"next to them (a control edge each; the same results): {peak}, before anything is swapped or made "
+               "again (--keep-order: leave the order)")
     log.extend(line for line in lines if not line.startswith("[LMS] [Simulator] LMS is not necessary"))
     plan = result.plan
     figures = dict(plan.predicted, **predicted(baseline, result.result, device.budget,
