@@ -7,9 +7,15 @@ import json
 import pytest
 
 from lmscli import api
+from lmscli.graph.opdefs import StatefulOps
 from lmscli.model.simulator import simulate
 from lmscli.plan import ordering
+from lmscli.plan.recompute import VARIABLE_READS, variable_of
 from tests.conftest import SAMPLES, TRAINING_SAMPLES, invoke
+
+
+def _variables(view, node) -> set:
+    return {v for v in (variable_of(view, src) for src, _ in view.data_inputs[node]) if v is not None}
 
 
 def _in_graph_order(prepared, schedule, written) -> None:
@@ -34,16 +40,27 @@ def _in_graph_order(prepared, schedule, written) -> None:
 def test_moves_keep_a_valid_order_and_never_raise_the_peak(name):
     """On every sample: each move takes an op only past ops it does not depend on, to just before
     an op that makes a buffer; the moved schedule is an order of the graph; the same input gives the
-    same moves; no moved op or waiting op is in a loop, a cond branch or off the GPU; the peak does
+    same moves; no moved op or waiting op is in a loop, a cond branch or off the GPU; of the stateful
+    ops only optimizer updates move, never past an op that touches their variables, and no op moves
+    past an update of a variable it reads; the peak does
     not rise, and no op but the moved ones runs with more memory held than in the step as written."""
     prepared = api.prepare(api.load(str(SAMPLES / f"{name}.meta")), batch_size=4 if name == "unknown_batch" else None)
     schedule, view = prepared.schedule, prepared.view
     moves = ordering.freeing_first(view, schedule, prepared.fused)
     assert moves == ordering.freeing_first(view, schedule, prepared.fused)
     index = {n: k for k, n in enumerate(schedule.names)}
+    stateful = StatefulOps()
     for first, then in moves:
         b, a = index[first], index[then]
         assert a < b <= a + ordering.WINDOW
+        op = schedule.ops[b]
+        assert not stateful(op) or op.startswith(ordering.TRAINING_OPS)
+        # an update never passes an op touching its variables, nor an op any variable it reads
+        mine = _variables(view, schedule.nodes[b])
+        for k in range(a, b):
+            theirs = _variables(view, schedule.nodes[k])
+            assert not (stateful(op) and mine & theirs), (first, schedule.names[k])
+            assert not (stateful(schedule.ops[k]) and schedule.ops[k] not in VARIABLE_READS and mine & theirs)
         for node in (schedule.nodes[a], schedule.nodes[b]):
             assert not view.in_loop(node) and not view.conditional(node) and schedule.on_gpu[index[view.names[node]]]
     assert len({m[0] for m in moves}) == len(moves) == len({m[1] for m in moves})
@@ -124,3 +141,26 @@ def test_chains_that_cannot_be_run_in_their_order_leave_the_schedule_an_order(na
     assert chains
     for each in (chains, tuple(tuple(reversed(c)) for c in chains)):
         _in_graph_order(prepared, ordering.applied(prepared.schedule, each, prepared.view), prepared.schedule)
+
+
+@pytest.mark.parametrize("graph", ["resource-variables", "reference-variables", "sample-cnn"])
+def test_a_plan_with_moves_trains_bit_identically(tmp_path, graph):
+    """Plans with moves train two steps bit-identically: a batch-norm CNN with dropout and momentum
+    (a filter gradient ahead of an input gradient; with reference variables also a ReLU gradient
+    ahead of a momentum update it does not touch), and the sample CNN, whose plan moves the
+    optimizer's updates ahead (each frees the weight gradient it reads)."""
+    from tests.test_recompute import _between, _bn_cnn, _identical
+
+    path = SAMPLES / "cnn.meta" if graph == "sample-cnn" else _bn_cnn(tmp_path / "cnn.meta",
+                                                                      resource=graph == "resource-variables")
+    model = api.load(str(path))
+    prepared = api.prepare(model)
+    result = api.tune(prepared, api.make_device(gpu_mem=_between(prepared, 0.6), reserve=0.0), check=False)
+    assert result.fits and result.plan.serialize
+    if graph == "sample-cnn":
+        assert any(first.rsplit("/", 1)[-1].startswith(ordering.TRAINING_OPS) for first, _ in result.plan.serialize)
+    new_graph, _ = api.rewrite(prepared, result.plan)
+    nodes = {n.name: n for n in new_graph.graph_def.node}
+    for first, then in result.plan.serialize:
+        assert f"^{first}" in nodes[then].input
+    _identical(model, new_graph)

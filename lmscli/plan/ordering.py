@@ -17,17 +17,24 @@ last read, forwarded copies included) larger than the outputs it makes, is moved
 :data:`WINDOW` positions earlier); the op there waits for it. A plan keeps the moves as
 ``serialize`` chains ``(B, op at p)``, emitted as control edges and simulated by :func:`applied`.
 Ops in while loops or cond branches, control-flow ops, host ops and ops Grappler's optimizations
-remove are never moved nor made to wait. Results do not change: the same kernels run on the same
+remove are never moved nor made to wait; of the stateful ops only an optimizer's update is moved
+(it frees the weight gradient it reads), and no op is moved past one that writes a variable it
+reads or reads (or writes) one it writes. Results do not change: the same kernels run on the same
 inputs, one after the other instead of the other way round.
 """
 
 from __future__ import annotations
 
-from lmscli.graph.graphview import CONSTANT_OPS, CONTROL_FLOW_OPS, GraphView
+from lmscli.graph.graphview import CONSTANT_OPS, CONTROL_FLOW_OPS, VARIABLE_OPS, GraphView
+from lmscli.graph.opdefs import StatefulOps
 from lmscli.model.memmodel import FORWARDING_OPS, roots
+from lmscli.plan.recompute import VARIABLE_READS, variable_of
 from lmscli.model.schedule import Schedule
 
 WINDOW = 8  # how many positions earlier an op may be moved
+# The only stateful ops moved: an optimizer's update, past ops that touch none of its variables
+# (it frees the weight gradient it reads). Random ops and other stateful ops keep their place.
+TRAINING_OPS = ("Apply", "ResourceApply", "SparseApply", "ResourceSparseApply")
 MIN_GAIN = 64 << 10  # bytes an op must free beyond what it makes to be worth moving
 
 
@@ -53,11 +60,35 @@ def freeing_first(view: GraphView, schedule: Schedule, fused: frozenset = frozen
                 and op not in FORWARDING_OPS and node not in fused and view.names[node] not in fused
                 and not view.in_loop(node) and not view.conditional(node))
 
+    stateful = StatefulOps()
+    variables: dict[int, tuple[frozenset, frozenset]] = {}
+
+    def touched(k: int) -> tuple[frozenset, frozenset]:
+        """(variables the op at ``k`` reads or writes, those it may write)."""
+        if k not in variables:
+            node = schedule.nodes[k]
+            found = frozenset(v for v in (variable_of(view, src) for src, _ in view.data_inputs[node]) if v is not None)
+            op = schedule.ops[k]
+            if op in VARIABLE_READS or op in ("Identity", "Snapshot"):
+                writes = frozenset()
+            elif stateful(op):
+                writes = found
+            else:  # (a reference variable taken as it is is written in place by ops not marked stateful)
+                writes = frozenset(src for src, _ in view.data_inputs[node]
+                                   if view.ops[src] in VARIABLE_OPS and view.ops[src] != "VarHandleOp")
+            variables[k] = (found, writes)
+        return variables[k]
+
+    def passes(b: int, k: int) -> bool:
+        """May the op at ``b`` run before the op at ``k`` (no variable one writes the other touches)?"""
+        (b_all, b_writes), (k_all, k_writes) = touched(b), touched(k)
+        return not (b_writes & k_all) and not (k_writes & b_all)
+
     moved: set[int] = set()
     waiting: set[int] = set()
     out: list[tuple[int, int]] = []
     for b in range(n):
-        if not movable(b):
+        if not movable(b) or (stateful(schedule.ops[b]) and not schedule.ops[b].startswith(TRAINING_OPS)):
             continue
         freeing = {r for r in {root[tid] for tid in schedule.inputs[b]} if r >= 0 and last.get(r) == b}
         made = sum(size[tid] for tid in schedule.outputs[b] if root[tid] == tid)
@@ -76,7 +107,10 @@ def freeing_first(view: GraphView, schedule: Schedule, fused: frozenset = frozen
 
         # The earliest place within reach, after everything it reads, before an op that makes a
         # buffer (nothing to gain ahead of ops that only forward or free), where it frees enough.
-        p = next((k for k in range(max(ready, b - WINDOW), b)
+        start = max(ready, b - WINDOW)
+        while start < b and not all(passes(b, k) for k in range(start, b)):
+            start += 1  # (never past an op that writes a variable it touches, or touches one it writes)
+        p = next((k for k in range(start, b)
                   if k not in moved and k not in waiting and movable(k) and gain(k) >= MIN_GAIN
                   and any(root[tid] == tid and size[tid] for tid in schedule.outputs[k])), None)
         if p is None:

@@ -116,7 +116,7 @@ def _close(view: GraphView, chain: set, allowed, fused: frozenset):
     while todo:
         node = todo.pop()
         for src, _out in view.data_inputs[node]:
-            if src in chain or view.ops[src] in CONSTANT_OPS or _variable_of(view, src) is not None:
+            if src in chain or view.ops[src] in CONSTANT_OPS or variable_of(view, src) is not None:
                 continue  # constants and variables are read as they are (Grappler may fold or merge them)
             if fused_edge(view.ops[src], view.ops[node]) or (view.names[src] in fused
                                                               and view.ops[src] not in FORWARDING_OPS):
@@ -142,7 +142,7 @@ def _sources(view: GraphView, schedule: Schedule, chain: set, pos_of: dict, tens
             op = view.ops[src]
             if op in CONSTANT_OPS:
                 continue
-            variable = _variable_of(view, src)
+            variable = variable_of(view, src)
             if variable is not None:
                 variables.add(variable)
                 continue
@@ -159,7 +159,7 @@ def _sources(view: GraphView, schedule: Schedule, chain: set, pos_of: dict, tens
     return tuple(sorted(out)), tuple(sorted(variables)), tuple(sorted(small))
 
 
-def _variable_of(view: GraphView, node: int) -> int | None:
+def variable_of(view: GraphView, node: int) -> int | None:
     """The variable whose value ``node`` is: the variable itself (a reference variable), its
     ``read`` Identity, or a ReadVariableOp of its handle; else None."""
     for _ in range(8):
@@ -187,14 +187,14 @@ def _writers(view: GraphView, variable: int, stateful) -> list[int]:
                 if op != "Identity" or view.ops[variable] == "VarHandleOp":
                     todo.append(dst)  # a handle passed on (a ref variable's Identity is a read)
                 continue
-            if op in _READS:
+            if op in VARIABLE_READS:
                 continue
             if stateful(op) or view.ops[variable] != "VarHandleOp":
                 out.append(dst)  # reference inputs are updated in place by ops not marked stateful
     return out
 
 
-_READS = frozenset({"ReadVariableOp", "VarIsInitializedOp", "IsVariableInitialized", "VariableShape"})
+VARIABLE_READS = frozenset({"ReadVariableOp", "VarIsInitializedOp", "IsVariableInitialized", "VariableShape"})
 
 
 def _stateless_ops(ops) -> frozenset:
