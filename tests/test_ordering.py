@@ -39,11 +39,11 @@ def _in_graph_order(prepared, schedule, written) -> None:
 @pytest.mark.parametrize("name", TRAINING_SAMPLES)
 def test_moves_keep_a_valid_order_and_never_raise_the_peak(name):
     """On every sample: each move takes an op only past ops it does not depend on, to just before
-    an op that makes a buffer; the moved schedule is an order of the graph; the same input gives the
-    same moves; no moved op or waiting op is in a loop, a cond branch or off the GPU; of the stateful
-    ops only optimizer updates move, never past an op that touches their variables, and no op moves
-    past an update of a variable it reads; the peak does
-    not rise, and no op but the moved ones runs with more memory held than in the step as written."""
+    an op that makes a buffer; the moved schedule is an order of the graph; the same input gives
+    the same moves; no moved op or waiting op is in a loop, a cond branch or off the GPU; of the
+    stateful ops only optimizer updates move, never past an op that touches their variables, and
+    no op moves past an update of a variable it reads; the peak does not rise, and no op but the
+    moved ones runs with more memory held than in the step as written."""
     prepared = api.prepare(api.load(str(SAMPLES / f"{name}.meta")), batch_size=4 if name == "unknown_batch" else None)
     schedule, view = prepared.schedule, prepared.view
     moves = ordering.freeing_first(view, schedule, prepared.fused)
