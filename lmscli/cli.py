@@ -210,9 +210,9 @@ def plan_options(func):
                        "iteration at a time (the same results), as lms's memory model counts it: overlapping "
                        "iterations each hold their own temporaries.")
     @click.option("--keep-order", is_flag=True,
-                  help="Add no control edges that only reorder ops. By default a plan may run an op that frees more "
-                       "memory than it makes before a sibling that allocates (a filter gradient before its input "
-                       "gradient; the same results).")
+                  help="Add no control edges that only reorder ops. By default a --stand-in plan may run an op that "
+                       "frees more memory than it makes before a sibling that allocates (a filter gradient before its "
+                       "input gradient; the same results).")
     @click.option("--judge", type=click.Choice(["executor", "grappler"]), default="executor", show_default=True,
                   help="What decides that a plan fits: the simulator of TensorFlow's executor (what a run really "
                        "allocates), or Grappler's static estimate (conservative; today's TFLMS-like behaviour).")
@@ -250,7 +250,7 @@ def _tune_options(strategy, swapout_threshold, swapin_ahead, swapin_groupby, syn
                             swapin_groupby if swapin_groupby is not None else 0,
                             sync_mode or 0)
     return TuneOptions(strategy=strategy, filters=filters, tflms=tflms, sync_mode=sync_mode or 0,
-                       serial_loops=not keep_loop_parallelism, reorder=not keep_order)
+                       serial_loops=not keep_loop_parallelism, reorder=False if keep_order else None)
 
 
 def _device(prepared, gpu_mem, device_preset, reserve, host_mem, link):

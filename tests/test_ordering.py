@@ -107,14 +107,21 @@ def test_the_3d_unets_filter_gradients_run_before_its_input_gradients():
     assert replayed.result.peak_bytes == result.result.peak_bytes
 
 
-def test_keep_order_adds_no_reordering_edges(runner, tmp_path):
-    """`--keep-order`: the plan has no `serialize` chains; without it, the same budget's plan does."""
-    path = SAMPLES / "unet3d.meta"
-    with_moves = json.loads(invoke(runner, "tune", path, "--gpu-mem", "12MiB", "--reserve", "0", "--json",
-                                   "--no-grappler-check").output)
-    kept = json.loads(invoke(runner, "tune", path, "--gpu-mem", "12MiB", "--reserve", "0", "--json", "--keep-order",
-                             "--no-grappler-check").output)
-    assert with_moves["plan"]["serialize"] and not kept["plan"]["serialize"]
+def test_moves_are_made_on_the_stand_in_by_default_and_keep_order_makes_none(runner):
+    """`--keep-order` is ``reorder=False``; by default (``None``) a GPU's plan keeps the order (see
+    planner._moves) and ``reorder=True`` moves there too."""
+    from lmscli.cli import _tune_options
+    from lmscli.plan.planner import tune as plan_tune
+
+    common = dict(strategy="hybrid", swapout_threshold=None, swapin_ahead=None, swapin_groupby=None, sync_mode=None,
+                  include_scope=(), exclude_scope=(), include_type=(), exclude_type=(), exclude_consumer_scope=(),
+                  exclude_consumer_type=())
+    assert _tune_options(**common, keep_order=True).reorder is False and _tune_options(**common).reorder is None
+    assert "--keep-order" in invoke(runner, "rewrite", "--help").output
+    prepared = api.prepare(api.load(str(SAMPLES / "cnn.meta")))
+    device = api.make_device(gpu_mem=int(simulate(prepared.schedule).peak_bytes * 0.8), reserve=0.0)
+    assert not plan_tune(prepared, device).plan.serialize
+    assert plan_tune(prepared, device, api.TuneOptions(reorder=True)).plan.serialize
 
 
 @pytest.mark.slow
@@ -155,7 +162,8 @@ def test_a_plan_with_moves_trains_bit_identically(tmp_path, graph):
                                                                       resource=graph == "resource-variables")
     model = api.load(str(path))
     prepared = api.prepare(model)
-    result = api.tune(prepared, api.make_device(gpu_mem=_between(prepared, 0.6), reserve=0.0), check=False)
+    result = api.tune(prepared, api.make_device(gpu_mem=_between(prepared, 0.6), reserve=0.0),
+                      api.TuneOptions(reorder=True), check=False)
     assert result.fits and result.plan.serialize
     if graph == "sample-cnn":
         assert any(first.rsplit("/", 1)[-1].startswith(ordering.TRAINING_OPS) for first, _ in result.plan.serialize)
