@@ -1005,7 +1005,9 @@ def _moves(prepared: Prepared, device: Device, options: TuneOptions, margin: int
     By default only on the stand-in, where each plan is judged by real runs. On a GPU's schedule
     (Grappler's order) the moves made the transformer's plans in `make bench-hybrid` (b8 s512)
     worse: at 75% of its peak on PCIe 3 +119.6% against +5.3%, and at 50% no plan where one was
-    found (+114.4%); ``reorder=True`` still makes them there."""
+    found (+114.4%): the control edges changed what Grappler's optimizations make of the GELU
+    chains, and the optimizer guard kept 21 tensors from being swapped. ``reorder=True`` still
+    makes them there."""
     from lmscli.plan import ordering
 
     if (options.reorder is False or (options.reorder is None and not prepared.schedule.stand_in)
