@@ -43,7 +43,7 @@ def freeing_first(view: GraphView, schedule: Schedule, fused: frozenset = frozen
     precedes in no data or control path today), in schedule order of A; each op moved at most once
     and made to wait at most once."""
     n = len(schedule)
-    pos_of = {node: k for k, node in enumerate(schedule.nodes)}
+    index = {name: k for k, name in enumerate(schedule.names)}
     root = roots(schedule) if schedule.shares else tuple(range(len(schedule.tensors)))  # -1: resident
     uses: dict[int, set] = {}  # buffer -> the positions making or reading any tensor in it
     for t in schedule.tensors:
@@ -94,12 +94,7 @@ def freeing_first(view: GraphView, schedule: Schedule, fused: frozenset = frozen
         made = sum(size[tid] for tid in schedule.outputs[b] if root[tid] == tid)
         if sum(size[r] for r in freeing) - made < MIN_GAIN:
             continue
-        node = schedule.nodes[b]
-        preds = [pos_of[src] for src, _ in view.data_inputs[node] if src in pos_of]
-        preds += [pos_of[src] for src in view.control_inputs[node] if src in pos_of]
-        ready = max(preds, default=-1) + 1
-        if any(t.producer >= ready for t in (schedule.tensors[tid] for tid in schedule.inputs[b])):
-            continue
+        ready = max(_needs(schedule, b, view, index), default=-1) + 1
 
         def gain(k: int, freeing=freeing, made=made) -> int:
             # (what it frees there: the buffers no other op reads from ``k`` on)
