@@ -997,8 +997,8 @@ def _tune(prepared: Prepared, device: Device, options: TuneOptions, margin) -> T
 
 
 def _moves(prepared: Prepared, device: Device, options: TuneOptions, margin: int):
-    """(chains, schedule): the moves of :func:`lmscli.plan.ordering.freeing_first` for a step over
-    its budget, and the schedule they make; None when there are none, when the step fits as it is,
+    """(chains, schedule, peak): the moves of :func:`lmscli.plan.ordering.freeing_first` for a step
+    over its budget, the schedule they make and its peak; None when there are none, when the step fits as it is,
     for TFLMS's search (it never reordered) or when the moves would raise the peak. When no plan
     fits the moved step, the step as written is planned (:func:`_tune`).
 
@@ -1020,19 +1020,19 @@ def _moves(prepared: Prepared, device: Device, options: TuneOptions, margin: int
     if not chains:
         return None
     moved = ordering.applied(prepared.schedule, chains, prepared.view)
-    if simulate(moved, (), device.link_bandwidth, detail=False).peak_bytes > written:
+    after = simulate(moved, (), device.link_bandwidth, detail=False).peak_bytes
+    if after > written:
         return None
-    return chains, moved
+    return chains, moved, after
 
 
 def _reordered(prepared: Prepared, device: Device, options: TuneOptions, margin: int, log: list[str], chains,
-               moved: Schedule) -> TuneResult:
-    """The plan for the step with ``chains``' moves made (``moved``), the moves kept in the plan
-    (``serialize``) and its figures against the step as written."""
+               moved: Schedule, after: int) -> TuneResult:
+    """The plan for the step with ``chains``' moves made (``moved``, whose peak is ``after``), the
+    moves kept in the plan (``serialize``) and its figures against the step as written."""
     baseline = simulate(prepared.schedule, (), device.link_bandwidth)
     lines: list[str] = []
     result = _tune_one(replace(prepared, schedule=moved, schedules=(moved,)), device, options, margin, lines)
-    after = simulate(moved, (), device.link_bandwidth, detail=False).peak_bytes
     peak = (f"the step's peak is {format_size(after)} instead of {format_size(baseline.peak_bytes)}"
             if after < baseline.peak_bytes else f"the step's peak stays {format_size(after)}, and less is held elsewhere")
     log.append(f"[LMS] [Simulator] {len(chains)} op(s) that free more memory than they make run just before the op "
