@@ -31,7 +31,7 @@ from lmscli.model.memmodel import FORWARDING_OPS, roots
 from lmscli.plan.recompute import VARIABLE_READS, variable_of
 from lmscli.model.schedule import Schedule
 
-WINDOW = 8  # how many positions earlier an op may be moved
+WINDOW = 8  # how many positions earlier an op may be moved (an update making nothing: any)
 # The only stateful ops moved: an optimizer's update, past ops that touch none of its variables
 # (it frees the weight gradient it reads). Random ops and other stateful ops keep their place.
 TRAINING_OPS = ("Apply", "ResourceApply", "SparseApply", "ResourceSparseApply")
@@ -102,7 +102,11 @@ def freeing_first(view: GraphView, schedule: Schedule, fused: frozenset = frozen
 
         # The earliest place within reach, after everything it reads, before an op that makes a
         # buffer (nothing to gain ahead of ops that only forward or free), where it frees enough.
-        start = max(ready, b - WINDOW)
+        # (an optimizer's update that makes nothing may go as far back as its gradient: the
+        # executor ran a residual MLP's first nine at the end of the step, nine weight gradients
+        # held through the backward pass)
+        update = made == 0 and schedule.ops[b].startswith(TRAINING_OPS)
+        start = ready if update else max(ready, b - WINDOW)
         while start < b and not all(passes(b, k) for k in range(start, b)):
             start += 1  # (never past an op that writes a variable it touches, or touches one it writes)
         p = next((k for k in range(start, b)
