@@ -864,8 +864,27 @@ def tflms_swaps(ctx: _Context, params: TflmsParams) -> list[SimSwap]:
             first = min(group)
             trigger = _tflms_trigger(ctx, first, t.producer, params)
             swap_ins.append(SwapIn(tuple(sorted(group)), trigger))
-        out.append(SimSwap(tid, near, tuple(swap_ins), sync_out=params.sync_mode in (1, 3)))
+        out.append(_synced(ctx, SimSwap(tid, near, tuple(swap_ins)), params.sync_mode in (1, 3)))
     return out
+
+
+def _synced(ctx: _Context, swap: SimSwap, sync_out: bool) -> SimSwap:
+    """``swap`` with TFLMS's synchronous swap-out (its near consumers wait for it), but only by
+    the near consumers that may wait (:meth:`_Context.can_wait`): a control input into the root
+    of a fused kernel stops the fusion, and the optimizer guard then forbade the tensor for every
+    later plan (a DenseNet's concatenations, read by batch norms fused with their ReLU: its
+    stand-in plans stopped at 2.1x the lower bound)::
+
+        conv -> FusedBatchNorm (root of _FusedBatchNormEx)       conv -> FusedBatchNorm
+             -> concat                                    ==>        -> concat
+        swap-out - - -> FusedBatchNorm, concat                   swap-out - - -> concat
+    """
+    if not sync_out:
+        return swap
+    waiting = tuple(c for c in swap.near if ctx.can_wait(c, swap.tensor))
+    if len(waiting) == len(swap.near):
+        return replace(swap, sync_out=True)
+    return replace(swap, waiters=waiting)
 
 
 def _tflms_trigger(ctx: _Context, consumer: int, producer: int, params: TflmsParams) -> int:
