@@ -715,9 +715,7 @@ def _ranked_choices(ctx: _Context, chosen: dict, p: int, judged: _Judged, clippe
     if ranked:
         return [c for _, c in ranked]
     late = _late_free(ctx, chosen, p, judged)
-    if late is None and "swap" in modes and not ctx.waited_out:
-        # (not on the stand-in, whose sends leave only when an op waits for them: there the same
-        # move made the transformer's plans at 15 MiB end stuck, where giving up here finds one)
+    if late is None and "swap" in modes:
         late = _later_swap_in(ctx, chosen, p, judged)
     return [late] if late is not None else []
 
@@ -740,8 +738,13 @@ def _later_swap_in(ctx: _Context, chosen: dict, p: int, judged: _Judged) -> _Cho
                 or len(old.swap.groups) != 1 or not old.lo <= p or old.hi >= p):
             continue
         choice = _gap_swap(ctx, ctx.cands[tid], p, judged.result, judged.d2h)
-        if (choice is None or not choice.lo <= p <= choice.hi or choice.swap.near != old.swap.near
-                or not _helps_instantly(ctx, choice.swap, p, judged.instant)):
+        if choice is None or choice.swap.near != old.swap.near:
+            continue
+        # Only the swap-in moves: the swap-out leaves as chosen (its waiters; on the stand-in a
+        # waiter at p instead kept the tensor through the forward pass).
+        choice = replace(choice, lo=old.lo, swap=replace(choice.swap, waiters=old.swap.waiters,
+                                                         sync_out=old.swap.sync_out))
+        if not choice.lo <= p <= choice.hi or not _helps_instantly(ctx, choice.swap, p, judged.instant):
             continue
         choice.cost, choice.replaces = choice.stall, old
         if best is None or (choice.size, -choice.stall, -tid) > (best.size, -best.stall, -best.swap.tensor):
