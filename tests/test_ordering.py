@@ -172,3 +172,29 @@ def test_a_plan_with_moves_trains_bit_identically(tmp_path, graph):
     for first, then in result.plan.serialize:
         assert f"^{first}" in nodes[then].input
     _identical(model, new_graph)
+
+
+def test_updates_held_to_the_end_of_the_step_run_as_early_as_their_gradients():
+    """The stand-in's executor ran a residual MLP's first nine optimizer updates at the end of the
+    step, and their weight gradients stayed through the backward pass. An update that makes
+    nothing may move back any distance (not only :data:`ordering.WINDOW` positions): the sample
+    CNN with its updates run last holds 0.54 MB more at its peak; moved, its peak is within 0.1%
+    of the step as traced."""
+    prepared = api.prepare(api.load(str(SAMPLES / "cnn.meta")))
+    sched, view = prepared.schedule, prepared.view
+    index = {name: k for k, name in enumerate(sched.names)}
+    updates = [k for k, op in enumerate(sched.ops) if op.startswith(ordering.TRAINING_OPS)]
+    order = [k for k in range(len(sched)) if k not in set(updates)]
+    for u in updates:  # each just before the first op waiting for it
+        order.insert(next((i for i, k in enumerate(order) if u in ordering._needs(sched, k, view, index)),
+                          len(order)), u)
+    late = sched.reordered(order)
+    _in_graph_order(prepared, late, sched)
+    moves = ordering.freeing_first(view, late)
+    pos = {name: k for k, name in enumerate(late.names)}
+    back = [pos[b] - pos[a] for b, a in moves if late.ops[pos[b]].startswith(ordering.TRAINING_OPS)]
+    assert max(back) > ordering.WINDOW
+    moved = ordering.applied(late, moves, view)
+    _in_graph_order(prepared, moved, sched)
+    peak, held, freed = (simulate(s).peak_bytes for s in (sched, late, moved))
+    assert held > peak + 500_000 and freed <= peak * 1.001

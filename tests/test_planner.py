@@ -499,3 +499,60 @@ def test_a_chosen_swap_is_brought_back_later_when_nothing_else_is_left(tmp_path)
     before = steps.run_steps(model.meta_graph, model.fetches, steps=2)
     after = steps.run_steps(new_graph, model.fetches, steps=2)
     assert steps.first_difference(before, after) is None
+
+
+def test_tflms_sync_swap_outs_make_no_op_wait_that_may_not(tmp_path):
+    """TFLMS's sync_mode 1 makes a swapped tensor's near consumers wait for its swap-out. On the
+    stand-in (oneDNN's CPU kernels; the tests run without them) Grappler's remapper fuses a
+    DenseNet's batch norms with their ReLUs, and a control input into one stops that fusion: the
+    optimizer guard then forbade its concatenations and first convolution (27 MiB) for every later
+    plan, which stopped at 2.1x the lower bound. Only the near consumers that may wait
+    (:meth:`_Context.can_wait`: not a fused kernel's root, nor an op the guard named) do; here the
+    batch norms are named as the guard would."""
+    from lmscli.plan import planner
+    from tests.conftest import densenet_meta
+
+    prepared = api.prepare(api.load(str(densenet_meta(tmp_path / "densenet.meta"))))
+    sched = prepared.schedule
+    norms = frozenset(name for k, name in enumerate(sched.names) if sched.ops[k] == "FusedBatchNormV3")
+    ctx = planner._Context(prepared, api.make_device(gpu_mem="1GiB"), api.Filters(), no_wait=norms)
+    swaps = planner.tflms_swaps(ctx, planner.TflmsParams(1, 1, 0, 1))
+    split = [s for s in swaps if any(sched.names[c] in norms for c in s.near)]
+    assert split  # the concatenations (and conv0), read next by a batch norm
+    for swap in swaps:
+        waiting = set((swap.near if swap.sync_out else ()) + swap.waiters)
+        assert waiting == {c for c in swap.near if ctx.can_wait(c, swap.tensor)}
+        assert not {sched.names[c] for c in waiting} & norms
+    assert all(not s.sync_out for s in split)
+    whole = planner.tflms_swaps(planner._Context(prepared, api.make_device(gpu_mem="1GiB"), api.Filters()),
+                                planner.TflmsParams(1, 1, 0, 1))
+    assert all(s.sync_out and not s.waiters for s in whole)  # (with no op named, TFLMS's own)
+
+
+def test_a_swap_in_brought_back_later_keeps_its_swap_out(samples):
+    """When nothing is left to swap at a position its swap-in lands before, a chosen swap is
+    brought back later (:func:`_later_swap_in`). On the stand-in, whose swap-outs leave only when an
+    op waits for them, that is tried too, and only the swap-in moves: the swap-out keeps its
+    waiters and frees the tensor where it did (before, the new swap was made to wait at the
+    position, in the backward pass, and held the tensor through the forward pass; a DenseNet's
+    18 MiB concatenation, brought in two ops before the filter gradient that ran over, stopped its
+    plans there)."""
+    from lmscli.plan import planner
+
+    prepared = api.prepare(api.load(str(samples / "cnn.meta")))
+    sched = prepared.schedule
+    ctx = planner._Context(prepared, api.make_device(gpu_mem="1GiB"), api.Filters())
+    ctx.waited_out = True  # (as on the stand-in)
+    baseline = planner._judge(ctx, [])
+    tid = next(t.id for t in sched.tensors if sched.names[t.producer] == "images" and t.id in ctx.cands)
+    t = sched.tensors[tid]
+    old = planner._gap_swap(ctx, ctx.cands[tid], (t.consumers[-2] + t.consumers[-1]) // 2, baseline.result,
+                            baseline.d2h)
+    assert old.swap.waiters and old.hi + 1 < t.consumers[-1]
+    judged = planner._judge(ctx, [old.swap])
+    later = [(p, planner._later_swap_in(ctx, {tid: old}, p, judged)) for p in range(old.hi + 1, t.consumers[-1])]
+    later = [(p, c) for p, c in later if c is not None]
+    assert later
+    for p, choice in later:
+        assert choice.replaces is old and choice.swap.waiters == old.swap.waiters and choice.lo == old.lo
+        assert choice.swap.near == old.swap.near and p <= choice.swap.groups[0].trigger == choice.hi
