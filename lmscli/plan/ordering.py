@@ -107,8 +107,8 @@ def freeing_first(view: GraphView, schedule: Schedule, fused: frozenset = frozen
         # held through the backward pass)
         update = made == 0 and schedule.ops[b].startswith(TRAINING_OPS)
         start = ready if update else max(ready, b - WINDOW)
-        while start < b and not all(passes(b, k) for k in range(start, b)):
-            start += 1  # (never past an op that writes a variable it touches, or touches one it writes)
+        # (never past an op that writes a variable it touches, or touches one it writes)
+        start = next((k + 1 for k in range(b - 1, start - 1, -1) if not passes(b, k)), start)
         p = next((k for k in range(start, b)
                   if k not in moved and k not in waiting and movable(k) and gain(k) >= MIN_GAIN
                   and any(root[tid] == tid and size[tid] for tid in schedule.outputs[k])), None)
