@@ -78,9 +78,9 @@ def _smallest_plan(prepared, bound: int, need: int, strategy: str, limit_from: i
     """(limit, TuneResult): the smallest limit, from the lower bound (or ``limit_from``) up to the
     original's ``need`` in :data:`MAX_TRIES` even steps, then :data:`REFINE` bisections below it,
     at which ``lms rewrite --stand-in --gpu-mem LIMIT`` (default reserve) finds a plan: each plan
-    is judged by real runs on the stand-in under that limit. (The steps of a residual MLP were
-    14.5 MiB: its plan was made at 66 MiB, while one made at 60 needed less.) (Steps of 10% of the bound stopped short of the need once a
-    larger set of swappable tensors lowered the bound.)"""
+    is judged by real runs on the stand-in under that limit. (Steps of 10% of the bound stopped
+    short of the need once a larger set of swappable tensors lowered the bound; the even steps of
+    a residual MLP were 14.5 MiB, and its plan was made at 66 MiB where 59 also plans.)"""
     from lmscli import api
     from lmscli.device import STAND_IN_LINK
     from lmscli.errors import NoFitError
