@@ -198,3 +198,34 @@ def test_updates_held_to_the_end_of_the_step_run_as_early_as_their_gradients():
     _in_graph_order(prepared, moved, sched)
     peak, held, freed = (simulate(s).peak_bytes for s in (sched, late, moved))
     assert held > peak + 500_000 and freed <= peak * 1.001
+
+
+def test_moved_ops_the_optimizer_guard_names_are_moved_no_more(monkeypatch):
+    """The optimizer guard names the ops of the plan's moves it finds changing what Grappler's
+    optimizations make of the graph (QA: a loss's Mean made to wait for a softmax gradient; the
+    rewrite trained, not bit-identically). Those ops are then never moved nor made to wait, and the
+    step is planned again (before, the guard's ops were dropped on the floor)."""
+    from lmscli.plan import tuning
+
+    prepared = api.prepare(api.load(str(SAMPLES / "cnn.meta")))
+    device = api.make_device(gpu_mem=int(simulate(prepared.schedule).peak_bytes * 0.8), reserve=0.0)
+    options = api.TuneOptions(reorder=True)
+    first = api.tune(prepared, device, options, check=False, guard=False).plan.serialize
+    assert first
+    named = frozenset(first[0])
+    calls = []
+    real = tuning.optimizer_culprits
+
+    def culprits(prepared, plan, rewritten, optimized=None, waiters=None):
+        calls.append(plan.serialize)
+        found = tuple(sorted(op for chain in plan.serialize for op in chain if op in named))
+        return ((), found) if found else real(prepared, plan, rewritten, optimized, waiters)
+
+    monkeypatch.setattr(tuning, "optimizer_culprits", culprits)
+    result = api.tune(prepared, device, options, check=False)
+    plan = result.plan
+    assert any("op(s) in their place" in line for line in result.log)
+    assert len(calls) >= 2 and calls[0] == first
+    assert plan.serialize and not {op for chain in plan.serialize for op in chain} & named
+    assert not {op for m in ordering.freeing_first(prepared.view, prepared.schedule, prepared.fused, named)
+                for op in m} & named

@@ -43,10 +43,12 @@ TRAINING_OPS = ("Apply", "ResourceApply", "SparseApply", "ResourceSparseApply")
 MIN_GAIN = 64 << 10  # bytes an op must free beyond what it makes to be worth moving
 
 
-def freeing_first(view: GraphView, schedule: Schedule, fused: frozenset = frozenset()) -> tuple[tuple[str, str], ...]:
+def freeing_first(view: GraphView, schedule: Schedule, fused: frozenset = frozenset(),
+                  fixed: frozenset = frozenset()) -> tuple[tuple[str, str], ...]:
     """The moves for ``schedule``: ``(B, A)`` pairs of op names, B to run just before A (which it
     precedes in no data or control path today), in schedule order of A; each op moved at most once
-    and made to wait at most once."""
+    and made to wait at most once. Ops named in ``fixed`` are neither (the optimizer guard found a
+    move of theirs changing what Grappler's optimizations make of the graph)."""
     n = len(schedule)
     index = {name: k for k, name in enumerate(schedule.names)}
     root = roots(schedule) if schedule.shares else tuple(range(len(schedule.tensors)))  # -1: resident
@@ -62,6 +64,7 @@ def freeing_first(view: GraphView, schedule: Schedule, fused: frozenset = frozen
         node = schedule.nodes[k]
         op = schedule.ops[k]
         return (schedule.on_gpu[k] and op not in CONTROL_FLOW_OPS and op not in CONSTANT_OPS
+                and schedule.names[k] not in fixed
                 and op not in FORWARDING_OPS and node not in fused and view.names[node] not in fused
                 and not view.in_loop(node) and not view.conditional(node))
 

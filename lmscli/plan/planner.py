@@ -72,6 +72,7 @@ class TuneOptions:
     sync_mode: int = 0  # tflms search: the sync_mode to start from
     forbidden: frozenset = frozenset()  # tensors ("node:output") never to swap (the optimizer guard's)
     no_wait: frozenset = frozenset()  # ops never to wait for a swap-out (the optimizer guard's)
+    fixed: frozenset = frozenset()  # ops never moved nor made to wait for a moved op (the optimizer guard's)
     serial_loops: bool = True  # a plan runs loops with parallel iterations one iteration at a time
     # A plan may run ops that free more than they make earlier (lmscli.plan.ordering): None, on the
     # stand-in only (see _moves); True, on a GPU's schedule too; False, never (--keep-order).
@@ -1041,7 +1042,7 @@ def _moves(prepared: Prepared, device: Device, options: TuneOptions, margin: int
     written = simulate(prepared.schedule, (), device.link_bandwidth, detail=False).peak_bytes
     if written <= device.budget - margin:
         return None
-    chains = ordering.freeing_first(prepared.view, prepared.schedule, prepared.fused)
+    chains = ordering.freeing_first(prepared.view, prepared.schedule, prepared.fused, options.fixed)
     if not chains:
         return None
     moved = ordering.applied(prepared.schedule, chains, prepared.view)

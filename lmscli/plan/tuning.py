@@ -219,6 +219,7 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
     margins: dict[str, int] = {}
     forbidden: set[str] = set()
     no_wait: set[str] = set()
+    fixed: set[str] = set()
     start = _run_margin(prepared, device, options)
     if start:
         margins[prepared.schedule.device] = start
@@ -240,11 +241,15 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
     estimate_rounds = guard_rounds = 0
 
     def noted(result):
-        if not forbidden:
-            return result
-        line = (f"[LMS] left {len(forbidden)} tensor(s) unswapped: a swap node there changes what Grappler's "
-                f"optimizations do to the graph, and with it the last bits of the results ({guard_rounds} round(s))")
-        return replace(result, log=result.log + (line,))
+        lines = []
+        if forbidden:
+            lines.append(f"[LMS] left {len(forbidden)} tensor(s) unswapped: a swap node there changes what Grappler's "
+                         f"optimizations do to the graph, and with it the last bits of the results "
+                         f"({guard_rounds} round(s))")
+        if fixed:
+            lines.append(f"[LMS] left {len(fixed)} op(s) in their place: a control edge moving one changes what "
+                         "Grappler's optimizations do to the graph")
+        return replace(result, log=result.log + tuple(lines)) if lines else result
 
     executor = prepared.schedule.memory_model == "executor"
     # (the small margins only where a round is cheap, and not on the stand-in: each costs real runs)
@@ -265,19 +270,21 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
 
             optimized = grappler.optimize(meta, prepared.model.fetches)
         waiting: set[str] = set()  # ops whose waiting alone changed Grappler's optimizations
-        tensors, _ops = optimizer_culprits(prepared, result.plan, meta, optimized, waiting) if guard else ((), ())
-        if tensors or waiting:
+        tensors, ops = optimizer_culprits(prepared, result.plan, meta, optimized, waiting) if guard else ((), ())
+        if tensors or waiting or ops:
             forbidden.update(tensors)
             no_wait.update(waiting)
+            fixed.update(ops)  # (ops of the plan's moves: QA, a loss's Mean waiting for a softmax gradient)
             guard_rounds += 1
             if search.found and timing.out_of_time():  # a judged, guarded plan is at hand: settle for it
                 search.timed_out = True
                 result = search.settle(rounds)
                 continue
             if guard_rounds <= GUARD_ROUNDS:  # plan again without them ...
-                timing.step(f"round {rounds}: {len(tensors) + len(waiting)} swap(s) or waiter(s) change Grappler's "
-                            "optimizations; replanning")
-                options = replace(options, forbidden=frozenset(forbidden), no_wait=frozenset(no_wait))
+                timing.step(f"round {rounds}: {len(tensors) + len(waiting) + len(ops)} swap(s), waiter(s) or moved "
+                            "op(s) change Grappler's optimizations; replanning")
+                options = replace(options, forbidden=frozenset(forbidden), no_wait=frozenset(no_wait),
+                                  fixed=frozenset(fixed))
                 try:
                     result = plan_tune(prepared, device, options, margin=dict(margins))
                 except NoFitError:
@@ -288,7 +295,7 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
             else:  # ... or, after that many rounds, just drop them from the plan
                 tensors = tuple(tensors) + tuple(s.tensor for s in result.plan.swaps if set(s.waiters) & waiting)
                 forbidden.update(tensors)
-                result = _resimulated(prepared, replace(result, plan=optguard.without(result.plan, tensors, ())))
+                result = _resimulated(prepared, replace(result, plan=optguard.without(result.plan, tensors, ops)))
                 continue
         if (prepared.stand_in is not None and search.found and result.plan.changes and not search.done
                 and timing.out_of_time()):

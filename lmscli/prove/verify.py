@@ -203,7 +203,8 @@ def verify(original, rewritten, steps: int = 2, batch_size: int | None = None, m
         if compare(plain_a, plain_b) is None:
             notes.append("run as written (Grappler's graph optimizations off) the two graphs are bit-identical: the "
                          "difference comes from Grappler optimizing the rewritten graph differently (a fusion or "
-                         "folding that a swap node interrupts), not from what the rewrite computes")
+                         "folding that a swap node or an added control edge interrupts), not from what the "
+                         "rewrite computes")
     for label, fig in (("original", figures_a), ("rewritten", figures_b)):
         ratio = fig.measured_vs_simulated()
         # (not when the two figures cover different things: stacks placed on the host, or several GPUs
