@@ -12,17 +12,18 @@ input gone. A 3D U-Net 64³ held 16 MiB more at that point than the step needed:
                    dx = BackpropInput(dy)     [dy 8, dx 16 live]    (control edge dW -> dx)
 
 :func:`freeing_first` finds such moves in a schedule: an op ``B`` whose inputs all exist before
-an earlier position ``p``, that frees there buffers no op from ``p`` on reads but it (its inputs'
-last read, forwarded copies included) larger than the outputs it makes, is moved to just before the op at ``p`` (at most
-:data:`WINDOW` positions earlier, or, for an optimizer's update that makes nothing, as early as
-its gradient); the op there waits for it. The stand-in's executor can leave updates to the end::
+an earlier position ``p``, that frees there buffers no op from ``p`` on reads but it (its
+inputs' last read, forwarded copies included) larger than the outputs it makes, is moved to
+just before the op at ``p`` (at most :data:`WINDOW` positions earlier, or, for an optimizer's
+update that makes nothing, as early as its gradient); the op there waits for it. The stand-in's
+executor can leave updates to the end::
 
     before:  dW9 ... dW1 [dW9..dW1 all held] ... update9 ... update1
     after:   dW9 update9 ... dW1 update1       (control edges update9 -> the op after dW9, ...)
 
 A plan keeps the moves as ``serialize`` chains ``(B, op at p)``, emitted as control edges and
-simulated by :func:`applied`. Ops in while loops or cond branches, control-flow ops, host ops and ops Grappler's optimizations
-remove are never moved nor made to wait; of the stateful ops only an optimizer's update is moved
+simulated by :func:`applied`. Ops in while loops or cond branches, control-flow ops, host ops
+and ops Grappler's optimizations remove are never moved nor made to wait; of the stateful ops only an optimizer's update is moved
 (it frees the weight gradient it reads), and no op is moved past one that writes a variable it
 reads or reads (or writes) one it writes. Results do not change: the same kernels run on the same
 inputs, one after the other instead of the other way round.
