@@ -23,10 +23,11 @@ executor can leave updates to the end::
 
 A plan keeps the moves as ``serialize`` chains ``(B, op at p)``, emitted as control edges and
 simulated by :func:`applied`. Ops in while loops or cond branches, control-flow ops, host ops
-and ops Grappler's optimizations remove are never moved nor made to wait; of the stateful ops only an optimizer's update is moved
-(it frees the weight gradient it reads), and no op is moved past one that writes a variable it
-reads or reads (or writes) one it writes. Results do not change: the same kernels run on the same
-inputs, one after the other instead of the other way round.
+and ops Grappler's optimizations remove are never moved nor made to wait; of the stateful ops
+only an optimizer's update is moved (it frees the weight gradient it reads), and no op is moved
+past one that writes a variable it reads or reads (or writes) one it writes. Results do not
+change: the same kernels run on the same inputs, one after the other instead of the other way
+round.
 """
 
 from __future__ import annotations
