@@ -86,6 +86,18 @@ class Prepared:
                        observed_micros=dict(micros or {}), observed_orders=tuple(orders))
         return seen.with_scratch(scratch or {})
 
+    def grappler(self, meta_graph):
+        """What Grappler's default optimizations make of ``meta_graph`` (this step, or a rewrite of
+        it) where the step is to run: for a step prepared for the stand-in, in the stand-in's
+        processes when this one's Grappler fuses otherwise (oneDNN on here; see
+        :meth:`lmscli.prove.standin.StandIn.grappler`); else in this process. None if Grappler
+        refuses the graph."""
+        from lmscli import grappler
+
+        if self.stand_in is not None and grappler.onednn():
+            return self.stand_in.grappler(meta_graph, self.model.fetches)
+        return grappler.optimize(meta_graph, self.model.fetches)
+
     @property
     def devices(self) -> tuple[str, ...]:
         return tuple(s.device for s in self.schedules) or (self.schedule.device,)
@@ -102,7 +114,7 @@ class Prepared:
 def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grappler",
             flops: float = 15.7e12, mem_bandwidth: float = 900e9, judge: str = "executor",
             optimize: bool = True, prune_dead: bool | None = None, known: dict | None = None,
-            runtime_folding: bool | None = None) -> Prepared:
+            runtime_folding: bool | None = None, optimizer=None) -> Prepared:
     """Infer shapes (applying ``batch_size`` to unknown placeholder batch dims) and build the schedule.
 
     ``cost_model="grappler"`` orders and times ops by Grappler's virtual scheduler on a virtual
@@ -120,6 +132,8 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
     ``runtime_folding`` (default: under the executor judge): count what TensorFlow's runtime folds
     into constants when it builds the step's executors (:mod:`lmscli.graph.constfold`): after
     Grappler on the graph a session runs; on the graph as written, what either of them would fold.
+    ``optimizer(meta_graph, fetches)``: what runs Grappler's default optimizations (default:
+    :func:`lmscli.grappler.optimize` in a second process; the stand-in's run them in its own).
     """
     from lmscli.graph import shapes
 
@@ -134,7 +148,10 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
     from lmscli import grappler
 
     meta = with_graph_def(model.meta_graph, graph_def) if changed else model.meta_graph
-    pending = grappler.optimize_in_parallel(meta, model.fetches) if optimize else None
+    pending = None
+    if optimize:
+        pending = (grappler.optimize_in_parallel(meta, model.fetches) if optimizer is None
+                   else _Done(optimizer(meta, model.fetches)))
     try:
         tensors = shapes.infer(graph_def)
         if known:
@@ -188,6 +205,19 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
             schedule = next(s for s in schedules if s.device == schedule.device)
     return Prepared(model, graph_def, view, schedule, batch_size, tuple(changed), fused, schedules, optimized,
                     trace=trace, dead=dead, untaken=untaken)
+
+
+class _Done:
+    """A result already at hand, called like :class:`lmscli.forked.Pending`."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __call__(self):
+        return self.value
+
+    def cancel(self) -> None:
+        pass
 
 
 def _with_shapes(view: GraphView, shapes: dict) -> GraphView:

@@ -7,6 +7,8 @@ variable storage, so callers add resident bytes themselves.
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass, field
 
 from lmscli import forked
@@ -187,6 +189,20 @@ def optimize(meta_graph, fetches):
         return tf_optimizer.OptimizeGraph(config_pb2.ConfigProto(), meta)
     except Exception:
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def onednn() -> bool:
+    """Whether oneDNN's optimizations are on in this process (``TF_ENABLE_ONEDNN_OPTS``, which
+    TensorFlow reads once): with them, Grappler's remapper fuses a batch norm with its ReLU on a
+    CPU (``_FusedBatchNormEx``); the stand-in's processes run without them."""
+    tensorflow()
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except (ImportError, AttributeError):
+        return os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1").strip().lower() not in ("0", "false")
 
 
 def dead_nodes(graph_def, optimized, fetches) -> frozenset:

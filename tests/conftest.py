@@ -54,16 +54,21 @@ def graph_def_from_nodes(nodes):
     return graph
 
 
-def densenet_meta(path) -> Path:
-    """The DenseNet-style net of ``make bench`` (b8 64², 3 blocks of 4 layers, growth 24), built
-    by the sample generator and written to ``path``."""
+def load_generator():
+    """The sample generator (``sample_graphs/generate.py``) as a module."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("lms_generate", SAMPLES / "generate.py")
     generate = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(generate)
+    return generate
+
+
+def densenet_meta(path) -> Path:
+    """The DenseNet-style net of ``make bench`` (b8 64², 3 blocks of 4 layers, growth 24), built
+    by the sample generator and written to ``path``."""
     path = Path(path)
-    path.write_bytes(generate.build("densenet", batch=8, image_size=64, growth=24, blocks=3,
+    path.write_bytes(load_generator().build("densenet", batch=8, image_size=64, growth=24, blocks=3,
                                     layers_per_block=4).SerializeToString(deterministic=True))
     return path
 

@@ -502,9 +502,9 @@ def test_a_chosen_swap_is_brought_back_later_when_nothing_else_is_left(tmp_path)
 
 
 def test_tflms_sync_swap_outs_make_no_op_wait_that_may_not(tmp_path):
-    """TFLMS's sync_mode 1 makes a swapped tensor's near consumers wait for its swap-out. On the
-    stand-in (oneDNN's CPU kernels; the tests run without them) Grappler's remapper fuses a
-    DenseNet's batch norms with their ReLUs, and a control input into one stops that fusion: the
+    """TFLMS's sync_mode 1 makes a swapped tensor's near consumers wait for its swap-out. On a
+    GPU (and on a CPU with oneDNN's kernels; the tests run without them) Grappler's remapper fuses
+    a DenseNet's batch norms with their ReLUs, and a control input into one stops that fusion: the
     optimizer guard then forbade its concatenations and first convolution (27 MiB) for every later
     plan, which stopped at 2.1x the lower bound. Only the near consumers that may wait
     (:meth:`_Context.can_wait`: not a fused kernel's root, nor an op the guard named) do; here the

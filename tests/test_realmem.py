@@ -540,3 +540,51 @@ def test_a_plan_running_loops_one_iteration_at_a_time_drops_what_iterations_ahea
     assert parallel.baseline.peak_bytes > serial.baseline.peak_bytes
     plan = tune(prepared, api.make_device(gpu_mem="20MiB", reserve=0.0), TuneOptions()).plan  # loops made serial
     assert plan.serial_loops and plan.predicted["peak_bytes_with_parallel_loops"] > plan.predicted["peak_bytes_without_plan"]
+
+
+_STAND_IN_GRAPPLER = """
+import json, sys
+from lmscli import api, grappler
+from lmscli.plan.candidates import remapped
+
+prepared = api.prepare(api.load(sys.argv[1]))
+stand_in = api.for_stand_in(prepared)
+meta = api.with_graph_def(stand_in.model.meta_graph, stand_in.graph_def)
+relus = sorted(n for n in prepared.view.names if n.endswith("/relu"))
+print(json.dumps({"onednn": grappler.onednn(), "relus": relus,
+                  "roots_here": sorted(remapped(prepared.view, prepared.optimized)),
+                  "roots_stand_in": sorted(remapped(stand_in.view, stand_in.optimized)),
+                  "relus_fused_here": sorted(set(relus) & prepared.fused),
+                  "relus_fused_stand_in": sorted(set(relus) & stand_in.fused),
+                  "guard_here": sorted(n.op for n in grappler.optimize(meta, stand_in.model.fetches).node
+                                       if n.op.startswith("_Fused")),
+                  "guard_stand_in": sorted(n.op for n in stand_in.grappler(meta).node if n.op.startswith("_Fused"))}))
+"""
+
+
+def test_a_stand_in_step_is_planned_by_what_the_stand_ins_grappler_fuses(tmp_path):
+    """The stand-in's processes run Grappler without oneDNN, and then its remapper fuses no batch
+    norm with its ReLU on a CPU; with oneDNN on (TensorFlow's default on x86; the tests turn it
+    off) it does. A step prepared for the stand-in in such a process takes what is fused, and the
+    optimizer guard's Grappler, from the stand-in's processes (bench-real: a DenseNet's stand-in
+    plans made no batch norm wait for a swap-out, as a fused kernel's root may not, and needed
+    1.7x the lower bound)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import load_generator
+
+    path = tmp_path / "densenet.meta"
+    path.write_bytes(load_generator().build("densenet", batch=2, image_size=16, growth=8, blocks=2,
+                                            layers_per_block=2).SerializeToString(deterministic=True))
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1", TF_CPP_MIN_LOG_LEVEL="3")
+    done = subprocess.run([sys.executable, "-c", _STAND_IN_GRAPPLER, str(path)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["onednn"] and seen["relus"]
+    assert seen["roots_here"] and seen["relus_fused_here"]  # this process fuses ...
+    assert "_FusedBatchNormEx" in seen["guard_here"]
+    assert seen["roots_stand_in"] == [] and seen["relus_fused_stand_in"] == []  # ... the stand-in does not
+    assert "_FusedBatchNormEx" not in seen["guard_stand_in"]

@@ -52,14 +52,13 @@ def check_with_grappler(prepared: Prepared, plan: Plan, host_device: str = DEFAU
 def _breaking(prepared: Prepared, plan: Plan) -> tuple[str, ...]:
     """The tensors of a smallest part of ``plan``'s edits, found by halving, whose rewrite
     Grappler's default optimizations fail on (all of them when no half fails alone)."""
-    from lmscli import grappler
     from lmscli.plan import optguard
 
     every = [edit.tensor for edit in plan.edits] + [h.stack for h in plan.host_stacks]
 
     def fails(keep: list) -> bool:
         part = optguard.without(plan, set(every) - set(keep), ())
-        return grappler.optimize(emit(prepared, part, force=True)[0], prepared.model.fetches) is None
+        return prepared.grappler(emit(prepared, part, force=True)[0]) is None
 
     found = every
     while len(found) > 1:
@@ -79,13 +78,12 @@ def optimizer_culprits(prepared: Prepared, plan: Plan, rewritten, optimized=None
     optimizations treat ``rewritten`` differently from the original (see :mod:`lmscli.plan.optguard`).
     ``optimized``: what those optimizations make of ``rewritten``, if already known. ``waiters``:
     a set to receive the waiters that alone involve a swap (see :func:`optguard.culprits`)."""
-    from lmscli import grappler
     from lmscli.plan import optguard
 
     if prepared.optimized is None or not (plan.changes or plan.serialize):
         return (), ()
     if optimized is None:
-        optimized = grappler.optimize(rewritten, prepared.model.fetches)
+        optimized = prepared.grappler(rewritten)
     if optimized is None:
         # Grappler optimizes the original but fails on the rewrite (a Session would then run it
         # unoptimized, or with optimizers skipped): the edits that make it fail are the culprits.

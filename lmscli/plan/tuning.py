@@ -266,9 +266,7 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
         meta, _ = emit(prepared, result.plan, host_device=host_device, force=True)
         optimized = None
         if guard or (executor and result.plan.changes):
-            from lmscli import grappler
-
-            optimized = grappler.optimize(meta, prepared.model.fetches)
+            optimized = prepared.grappler(meta)
         waiting: set[str] = set()  # ops whose waiting alone changed Grappler's optimizations
         tensors, ops = optimizer_culprits(prepared, result.plan, meta, optimized, waiting) if guard else ((), ())
         if tensors or waiting or ops:

@@ -6,7 +6,10 @@ forks one child per request, a JSON line on stdin::
     {"job": "gpu", "cluster": {...}, "env": {...}, "log": PATH, "ready": PATH,
      "inter": 1, "intra": 1, "preallocate": BYTES, "stats": PATH or null}
 
-and answers with the child's pid on a line of stdout. The child applies ``env`` (TensorFlow reads
+and answers with the child's pid on a line of stdout. A request with ``"optimize": PATH`` (a
+serialized MetaGraphDef), ``"fetches"`` and ``"out"`` forks a child that writes to ``out`` what
+Grappler's default optimizations make of that graph in this process's configuration (see
+:func:`_optimize`) and exits. The child applies ``env`` (TensorFlow reads
 its allocator's variables when the allocator is created, which is after the fork), sends its
 stderr to ``log``, optionally gives its allocator one free region of ``preallocate`` bytes (as a
 GPU's allocator has; see :func:`_preallocate`), starts a ``tf.distribute.Server`` for task 0 of
@@ -117,11 +120,34 @@ def _serve(tf, request: dict) -> None:
     del held
 
 
+def _optimize(tf, request: dict) -> None:
+    """Write to ``request["out"]`` (atomically) ``G`` and the GraphDef that Grappler's default
+    optimizations make of the MetaGraphDef in ``request["optimize"]``, or ``N`` if Grappler refuses
+    it. The servers' sessions run Grappler in this configuration (oneDNN off), which decides what
+    its remapper fuses on a CPU."""
+    del tf  # (imported by the zygote)
+    from tensorflow.core.protobuf import meta_graph_pb2
+
+    from lmscli import grappler
+
+    meta = meta_graph_pb2.MetaGraphDef()
+    with open(request["optimize"], "rb") as f:
+        meta.ParseFromString(f.read())
+    optimized = grappler.optimize(meta, request["fetches"])
+    out = request["out"]
+    with open(out + ".tmp", "wb") as f:
+        f.write(b"N" if optimized is None else b"G" + optimized.SerializeToString())
+    os.rename(out + ".tmp", out)
+
+
 def _child(tf, request: dict, parent: int) -> None:
-    """Run one server; never returns."""
+    """Run one server (or one Grappler optimization); never returns."""
     try:
         _die_with_parent(parent)
         _redirect(request["log"])
+        if "optimize" in request:
+            _optimize(tf, request)
+            os._exit(0)
         _serve(tf, request)
     except BaseException:  # noqa: B036 - the child must never return into the zygote's loop
         traceback.print_exc()

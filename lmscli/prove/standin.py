@@ -666,6 +666,41 @@ class StandIn:
                 raise StandInError(f"the stand-in's servers did not start within {self.timeout_s:.0f} s; raise timeout_s")
             time.sleep(0.005)
 
+    def grappler(self, meta_graph, fetches):
+        """The GraphDef that Grappler's default optimizations make of ``meta_graph`` for a step
+        fetching ``fetches`` as the stand-in's sessions run them (in its processes: oneDNN off, so
+        Grappler's remapper fuses no batch norm with its activation on a CPU, which it does in a
+        process with oneDNN on); None if Grappler refuses the graph."""
+        zygote = self._zygote_process()
+        self._count += 1
+        name = self._path(f"{self._count}-grappler")
+        with open(name + ".in", "wb") as f:
+            f.write(meta_graph.SerializeToString())
+        out = name + ".out"
+        try:
+            pid = zygote.spawn({"optimize": name + ".in", "fetches": list(fetches), "out": out, "log": name + ".log"})
+            deadline = time.monotonic() + self.timeout_s
+            while not os.path.exists(out):
+                if not is_child(pid, zygote.proc.pid) and not os.path.exists(out):
+                    raise StandInError(f"the stand-in's Grappler process failed: {_last_line(name + '.log')}")
+                if time.monotonic() > deadline:
+                    kill_child(pid, zygote.proc.pid)
+                    raise StandInError(f"the stand-in's Grappler process took more than {self.timeout_s:.0f} s; "
+                                       "raise timeout_s")
+                time.sleep(0.005)
+            with open(out, "rb") as f:
+                data = f.read()
+            os.remove(name + ".log")  # (kept when it failed: the error names it)
+        finally:
+            for path in (name + ".in", out):
+                if os.path.exists(path):
+                    os.remove(path)
+        if data[:1] != b"G":
+            return None
+        graph_def = tensorflow().compat.v1.GraphDef()
+        graph_def.ParseFromString(data[1:])
+        return graph_def
+
     # -------------------------------------------------------- one run
     def _session(self, pair: _Pair, graph):
         tf = tensorflow()
