@@ -328,7 +328,8 @@ def test_the_default_strategy_is_never_beaten_by_the_other_searches(samples, mon
     takes theirs when the judge refused every plan of its own (TFLMS's search also a little below
     the lower bound, whose order its synchronous swaps change; the swap planner only at or above
     it) or when theirs is predicted faster; `--strategy swap` falls back on TFLMS's search. (The
-    searches are real plans of the cnn sample; which of them the judge refuses is staged.)"""
+    searches are real plans of the cnn sample; which of them the judge refuses is staged.) On the
+    stand-in, TFLMS's search is a fallback only."""
     from dataclasses import replace
 
     from lmscli.plan import tuning
@@ -378,6 +379,14 @@ def test_the_default_strategy_is_never_beaten_by_the_other_searches(samples, mon
     assert "found a faster plan than the hybrid's" in got.log[-1]
     real["tflms"] = replace(fast, result=replace(fast.result, step_time=real["hybrid"].result.step_time * 2))
     assert tune("hybrid").plan.strategy == real["hybrid"].plan.strategy  # slower ones are not
+
+    # On the stand-in, where each plan of TFLMS's search is judged by real runs, that search runs
+    # only when the hybrid's found nothing (a DenseNet's greedy plans ran out of memory where its
+    # synchronous swap-outs held), not to look for a faster plan.
+    stand_in = replace(prepared, stand_in=object())
+    assert tuning._others(stand_in, "hybrid") == ("swap",) and tuning._others(stand_in, "swap") == ()
+    assert tuning._others(stand_in, "hybrid", fallback=True) == ("swap", "tflms")
+    assert tuning._others(stand_in, "swap", fallback=True) == ("tflms",)
 
 
 def test_a_bound_raised_by_the_guard_says_so(samples):

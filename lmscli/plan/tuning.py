@@ -85,7 +85,7 @@ def _tune(prepared: Prepared, device: Device, options: TuneOptions, check: bool,
             # that keep the step's order; TFLMS's synchronous swaps reorder it, so its search is
             # tried a little below the bound too (as by the reordering fallback).
             bound = exc.bound_bytes
-            for other in _others(prepared, strategy):
+            for other in _others(prepared, strategy, fallback=True):
                 if bound is not None and device.budget < (bound if other == "swap" else FALLBACK_SHARE * bound):
                     continue
                 result = _search(prepared, device, options, other, check, host_device, guard)
@@ -115,14 +115,17 @@ def _tune(prepared: Prepared, device: Device, options: TuneOptions, check: bool,
 _SEARCH_NAMES = {"swap": "the swap-only planner", "tflms": "TFLMS's parameter search"}
 
 
-def _others(prepared: Prepared, strategy: str) -> tuple[str, ...]:
+def _others(prepared: Prepared, strategy: str, fallback: bool = False) -> tuple[str, ...]:
     """The searches the ``strategy``'s plan is measured against: the swap planner and TFLMS's
     parameter search for the hybrid, TFLMS's search for the swap planner. TFLMS's search is left
-    out on graphs of more than :data:`TFLMS_SEARCH_MAX_OPS` ops and on the stand-in (where each
-    of its bisection's plans would be judged by real runs: minutes)."""
+    out on graphs of more than :data:`TFLMS_SEARCH_MAX_OPS` ops, and on the stand-in (where each
+    of its bisection's plans is judged by real runs) unless the strategy's own search found no
+    plan (``fallback``): there its synchronous swap-outs, which leave at once, can hold where the
+    greedy plans cannot (bench-real: a DenseNet-style net, where the greedy plans ran out of memory
+    under 88 MiB and TFLMS's search's plan needed 71)."""
     others = {"hybrid": ("swap", "tflms"), "swap": ("tflms",)}.get(strategy, ())
     return tuple(o for o in others if o != "tflms" or (len(prepared.schedule) <= TFLMS_SEARCH_MAX_OPS
-                                                        and prepared.stand_in is None))
+                                                        and (prepared.stand_in is None or fallback)))
 
 
 def _search(prepared: Prepared, device: Device, options: TuneOptions, strategy: str, check: bool, host_device: str,
