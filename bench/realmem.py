@@ -80,15 +80,17 @@ def _smallest_plan(prepared, bound: int, need: int, strategy: str, limit_from: i
     at which ``lms rewrite --stand-in --gpu-mem LIMIT`` (default reserve) finds a plan: each plan
     is judged by real runs on the stand-in under that limit. (Steps of 10% of the bound stopped
     short of the need once a larger set of swappable tensors lowered the bound; the even steps of
-    a residual MLP were 14.5 MiB, and its plan was made at 66 MiB where 59 also plans.)"""
+    a residual MLP were 14.5 MiB, and its plan was made at 66 MiB where 59 also plans.) The tune is
+    ``lms rewrite``'s (:func:`lmscli.api.tune`: the strategy's search, then the others' when the
+    judge turns all its plans down)."""
     from lmscli import api
     from lmscli.device import STAND_IN_LINK
     from lmscli.errors import NoFitError
 
     def plan(limit: int):
         try:
-            return api.checked_tune(prepared, api.make_device(gpu_mem=limit, link=STAND_IN_LINK),
-                                    api.TuneOptions(strategy=strategy))
+            return api.tune(prepared, api.make_device(gpu_mem=limit, link=STAND_IN_LINK),
+                            api.TuneOptions(strategy=strategy))
         except NoFitError:
             return None
 
