@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export TF_CPP_MIN_LOG_LEVEL := 3
 
-.PHONY: install test demo samples lint bench bench-quick bench-real bench-speed bench-hybrid clean
+.PHONY: install test demo samples lint bench bench-quick bench-real bench-real-share bench-speed bench-hybrid clean
 
 install: $(STAMP)
 
@@ -48,6 +48,9 @@ bench-quick: install
 
 bench-real: install
 	$(BIN)/python bench/realmem.py
+
+bench-real-share: install
+	$(BIN)/python bench/realmem.py --share
 
 bench-hybrid: install
 	$(BIN)/python bench/hybrid.py
