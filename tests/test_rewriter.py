@@ -266,6 +266,28 @@ def test_broken_plans_are_caught(samples):
     with pytest.raises(GraphError, match="cycle"):
         api.rewrite(prepared, replace(result.plan, swaps=(cyclic,), recomputes=()))
     assert consumer
+    # A variable never waits: its initialisation would run the step's ops (QA: a momentum slot's
+    # VarHandleOp, waiting for a swap-out, made initialising the slot read variables not yet set).
+    variable = next(n.name for n in model.graph_def.node if n.op in ("VarHandleOp", "VariableV2"))
+    waiting = replace(swap, waiters=(variable,))
+    with pytest.raises(PlanError, match="initialisation"):
+        api.rewrite(prepared, replace(result.plan, swaps=(waiting,), recomputes=()))
+
+
+@pytest.mark.parametrize("name", ["cnn", "resnet50"])
+def test_no_variable_or_placeholder_takes_a_control_edge(samples, name):
+    """The planner never picks a variable op or a placeholder to trigger a swap-in or wait for a
+    swap-out (a stand-in's traced order runs a momentum slot's VarHandleOp just before its update,
+    where a ResNet-50 plan made it wait)."""
+    from lmscli.graph.graphview import UNWAITING_OPS
+    from lmscli.plan import planner
+
+    prepared = api.prepare(api.load(str(samples / f"{name}.meta")))
+    ctx = planner._Context(prepared, api.make_device(gpu_mem="1GiB"), api.Filters())
+    sched = prepared.schedule
+    held = [k for k in range(len(sched)) if sched.ops[k] in UNWAITING_OPS]
+    assert held
+    assert not any(ctx.can_edge[k] or ctx.can_trigger[k] for k in held)
 
 
 def test_gelu_attention_style_net_stays_bit_identical_under_grappler(tmp_path):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lmscli.graph.graphview import CONTROL_FLOW_OPS, PLACEHOLDER_OPS, SHAPE_OPS, VARIABLE_OPS, GraphView
+from lmscli.graph.graphview import CONTROL_FLOW_OPS, PLACEHOLDER_OPS, SHAPE_OPS, UNWAITING_OPS, VARIABLE_OPS, GraphView
 from lmscli.model.schedule import Schedule, invariant_enter
 
 NEVER_SWAP_PRODUCERS = frozenset({"Const", "HostConst", "BroadcastGradientArgs"}) | SHAPE_OPS | VARIABLE_OPS | CONTROL_FLOW_OPS
@@ -170,9 +170,13 @@ def landing_safe(view: GraphView, schedule: Schedule, k: int, fused: frozenset =
 
 def trigger_safe(view: GraphView, schedule: Schedule, k: int) -> bool:
     """May the op at position ``k`` trigger a swap-in or wait for a swap-out when the branches
-    agree (see :func:`branch_safe`)? A GPU op outside while loops that is not control flow."""
+    agree (see :func:`branch_safe`)? A GPU op outside while loops that is neither control flow nor
+    a variable or placeholder (:data:`lmscli.graph.graphview.UNWAITING_OPS`: a momentum slot's
+    ``VarHandleOp``, run late in the stand-in's traced order, was made to wait for a swap-out, and
+    the slot's initialisation then ran the step's ops)."""
     node = schedule.nodes[k]
-    return schedule.on_gpu[k] and not view.in_loop(node) and schedule.ops[k] not in CONTROL_FLOW_OPS
+    return (schedule.on_gpu[k] and not view.in_loop(node) and schedule.ops[k] not in CONTROL_FLOW_OPS
+            and schedule.ops[k] not in UNWAITING_OPS)
 
 
 def branch_safe(source: frozenset, target: frozenset) -> bool:
