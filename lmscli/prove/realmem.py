@@ -46,7 +46,8 @@ def predict(model, batch_size: int | None = None, observation=None, stand_in=Non
     """Predict one step of ``model`` (a loaded Model) on a GPU and on the stand-in. The stand-in's
     figure follows what traced steps of that graph on the stand-in show (kernel scratch, the
     CPU executor's order and op times: :meth:`lmscli.prove.standin.StandIn.observe`; the largest
-    need over the orders of its traced steps); returns that observation too. ``stand_in``: the StandIn to observe on (default: the process's shared one)."""
+    need over the orders of its traced steps); returns that observation too. ``stand_in``: the
+    StandIn to observe on (default: the process's shared one)."""
     from lmscli import api, grappler
     from lmscli.prove import steps
     from lmscli.analysis import RUN_JUDGE_MAX_OPS, run_graph, run_peak_of
