@@ -325,7 +325,8 @@ def test_a_plan_the_allocator_model_finds_no_room_for_is_planned_for_more(stand_
     the model finds room under the judge's tighter limit, and that plan trains. (Swap-ins brought
     back later are off here: with them the plans for larger margins differ, and in about one
     traced order of three none of the sixteen was placed, so the plan at hand went to the real
-    runs as it is.)"""
+    runs as it is. Without them that still happens in about one traced order of six: the loop
+    then returns the plan at hand, and the test observes the step again, up to three times.)"""
     from lmscli.device import STAND_IN_LINK
     from lmscli.emit.rewriter import emit
     from lmscli.plan import judge, planner, tuning
@@ -333,15 +334,24 @@ def test_a_plan_the_allocator_model_finds_no_room_for_is_planned_for_more(stand_
 
     monkeypatch.setattr(planner, "_later_swap_in", lambda *args: None)
 
-    prepared = api.for_stand_in(api.prepare(api.load(str(SAMPLES / "unet3d.meta"))), stand_in=stand_in)
+    base = api.prepare(api.load(str(SAMPLES / "unet3d.meta")))
     device = api.make_device(gpu_mem=14 * MIB, link=STAND_IN_LINK)
     _, tighter = judge.judged_limits(device)
     options = api.TuneOptions(reorder=False)  # (with the ops' moves of lmscli.plan.ordering, the first plan fits)
-    first = plan_tune(prepared, device, options)
-    assert first.result.peak_bytes <= device.budget < tighter < judge.region_need(prepared, first.plan, device)
-    margins, search = {}, tuning._RunSearch(device.budget, 0)
-    fitted = tuning._fitting_the_region(prepared, device, options, margins, first, search)
-    assert fitted.plan.predicted["region_need_bytes"] <= tighter
+    fitted = None
+    for _attempt in range(3):
+        prepared = api.for_stand_in(base, stand_in=stand_in)
+        first = plan_tune(prepared, device, options)
+        need = judge.region_need(prepared, first.plan, device)
+        if need <= tighter:
+            continue  # (this order places the first plan: nothing to show)
+        assert first.result.peak_bytes <= device.budget < tighter < need
+        margins, search = {}, tuning._RunSearch(device.budget, 0)
+        fitted = tuning._fitting_the_region(prepared, device, options, margins, first, search)
+        if fitted.plan.predicted["region_need_bytes"] <= tighter:
+            break
+        assert fitted.plan.edits == first.plan.edits and not margins  # none placed: the plan at hand goes
+    assert fitted is not None and fitted.plan.predicted["region_need_bytes"] <= tighter
     assert margins[prepared.schedule.device] == search.margin > 0 and "allocator model" in fitted.log[-1]
     again = tuning._fitting_the_region(prepared, device, options, margins, fitted, search)
     assert again.plan.edits == fitted.plan.edits and margins[prepared.schedule.device] == search.margin
