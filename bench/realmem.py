@@ -16,13 +16,11 @@ that of the executor model with scratch. Writes bench/REAL-MEMORY.md and bench/o
 
     python bench/realmem.py            # the graphs below (about 30 minutes on 2 cores)
     python bench/realmem.py --quick    # the residual MLP only (a few minutes)
-    python bench/realmem.py --share    # ResNet-50 384² b2 at 0.4x the original's need (writes
-                                       # bench/REAL-MEMORY-SHARE.md; about 40 minutes)
+    python bench/realmem.py --share    # ResNet-50 384² b2 alone (bench/REAL-MEMORY-SHARE.md)
 
-``--share`` checks the issue's second target where it can be met at all: at 64² the variables,
-their momentum and the weight gradients are most of ResNet-50's need, and 0.4x of it is below the
-lower bound; at 384² batch 2 the activations dominate. It measures the original's need, asks
-``lms rewrite --stand-in`` for a plan at 0.4x of it, and measures that plan's need.
+``--share`` measures ResNet-50 where a plan under 0.4x the original's need can exist at all: at
+64² the variables, their momentum and the weight gradients are most of its need, and 0.4x of it
+is below the lower bound; at 384² batch 2 the activations dominate.
 """
 
 from __future__ import annotations
@@ -52,7 +50,6 @@ GRAPHS = {
     ],
 }
 SHARE_GRAPH = ("ResNet-50 384" + sup(2) + " b2", generated("resnet50", image_size=384, batch=2))
-SHARE = 0.4  # the issue's target for ResNet-50: a plan under this share of the original's need
 MAX_TRIES = 15  # limits tried: from the lower bound to the original's need in this many even steps
 REFINE = 3  # then bisections between the last step without a plan and the first with one
 
@@ -164,67 +161,6 @@ def evaluate(label: str, spec, stand_in, log) -> dict:
     return {"graph": label, "lower_bound_bytes": bound, "rows": [asdict(r) for r in rows]}
 
 
-def evaluate_share(label: str, spec, stand_in, log) -> dict:
-    """The original's need, then ``lms rewrite --stand-in`` at :data:`SHARE` of it (default
-    reserve) and that plan's need."""
-    import os
-    import tempfile
-
-    from lmscli import api
-    from lmscli.device import STAND_IN_LINK
-    from lmscli.errors import NoFitError
-    from lmscli.prove.scratch import Observation
-
-    model, _ = load(spec)
-    prepared = api.for_stand_in(api.prepare(model), stand_in)
-    observation = Observation(dict(prepared.scratch or {}), prepared.observed_order,
-                              dict(prepared.observed_micros or {}))
-    bound = api.analyze(prepared).lower_bound_bytes
-    rows = [_measure(stand_in, model, "original", observation, {})]
-    log(f"{label}: original needs {rows[0].min_limit_bytes:,} (predicted {rows[0].predicted_bytes:,})")
-    limit = int(SHARE * rows[0].min_limit_bytes) // 2**20 * 2**20
-    started = time.perf_counter()
-    try:
-        result = api.tune(prepared, api.make_device(gpu_mem=limit, link=STAND_IN_LINK))
-    except NoFitError as exc:
-        rows.append(Measured("lms", None, None, None, None, budget_bytes=limit,
-                             seconds=time.perf_counter() - started, note=f"no plan: {exc}"))
-        log(f"{label}: no plan at {limit:,}: {exc}")
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "lms.meta")
-            api.save(model, api.rewrite(prepared, result.plan)[0], path)
-            rewritten = api.load(path, fetch=list(model.fetches))
-            rows.append(_measure(stand_in, rewritten, "lms", observation,
-                                 {"swapped_bytes": result.plan.swap_out_bytes,
-                                  "recomputed_bytes": result.plan.recompute_bytes, "budget_bytes": limit}))
-        log(f"{label}: lms made at {limit:,} needs {rows[-1].min_limit_bytes:,}")
-    return {"graph": label, "lower_bound_bytes": bound, "rows": [asdict(r) for r in rows]}
-
-
-def share_markdown(res: dict, seconds: float) -> str:
-    original, plan = res["rows"][0], res["rows"][-1]
-    need = original["min_limit_bytes"]
-    lines = ["# Real memory: ResNet-50 at 0.4x the original's need", "",
-             f"Made by `python bench/realmem.py --share` on {time.strftime('%Y-%m-%d')} ({platform.machine()}, "
-             f"Python {platform.python_version()}), {seconds / 60:.1f} minutes. The original's need is measured as in "
-             "REAL-MEMORY.md (the smallest limit, to 1 MiB, under which a step ran three times out of three on the "
-             f"stand-in); lms's plan is made by `lms rewrite --stand-in --gpu-mem LIMIT` at LIMIT = {SHARE} x that "
-             "need (rounded down to a MiB; default reserve; judged by real runs there), and its own need measured "
-             "the same way. At 64" + sup(2) + " (REAL-MEMORY.md) variables, momentum and weight gradients are most of "
-             "ResNet-50's need and 0.4x of it is below the lower bound.", "",
-             "| graph | lower bound | what ran | limit asked | measured | predicted | × lower bound | × original |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for row in (original, plan):
-        m = row["min_limit_bytes"]
-        what = row["what"] + (f" ({_mib(row['swapped_bytes'])} swapped, {_mib(row['recomputed_bytes'])} recomputed)"
-                              if m and row["budget_bytes"] else "") + (f": {row['note']}" if row["note"] else "")
-        lines.append(f"| {res['graph']} | {_mib(res['lower_bound_bytes'])} | {what} | {_mib(row['budget_bytes'])} | "
-                     f"{_mib(m)} | {_mib(row['predicted_bytes'])} | {_ratio(m, res['lower_bound_bytes'])} | "
-                     f"{_ratio(m, need)} |")
-    return "\n".join(lines) + "\n"
-
-
 def _mib(x) -> str:
     return "-" if x is None else f"{x / 2**20:,.1f} MiB"
 
@@ -241,8 +177,8 @@ def markdown(results: list, seconds: float, quick: bool) -> str:
              "runs out of three on the stand-in GPU (TensorFlow's BFC allocator with a hard limit, in a server "
              "process; swaps to a second process; TensorFlow's optimizations on). *Predicted* is lms's executor "
              "model of the graph TensorFlow runs, in the orders and with the CPU kernels' scratch buffers traced "
-             "steps on the stand-in showed (the largest over their orders) (a GPU would need the *GPU* figure, in Grappler's order and without "
-             "them; the stand-in runs convolution gradients with Eigen kernels, which take no col buffer). "
+             "steps on the stand-in showed (the largest over their orders; a GPU would need the *GPU* figure, "
+             "in Grappler's order and without them; the stand-in runs convolution gradients with Eigen kernels, which take no col buffer). "
              "*Grappler* is TensorFlow's static estimate plus "
              "variables. lms's plan is made by `lms rewrite --stand-in --gpu-mem LIMIT` (default reserve) at the "
              "smallest LIMIT it accepts, from the lower bound up to the original's need in 15 even steps and three "
@@ -251,7 +187,13 @@ def markdown(results: list, seconds: float, quick: bool) -> str:
              "the reserve); the TFLMS-style plan "
              "(`--strategy tflms`) at that limit or the smallest above it that it accepts. *(varies)*: the "
              "search saw a limit fit once and fail when confirmed (the executor's order differs between runs).", "",
-             "| graph | lower bound | what ran | measured | predicted | predicted vs measured | GPU "
+             ] + table(results)
+    return "\n".join(lines) + "\n"
+
+
+def table(results: list) -> list:
+    """The markdown table of ``results``, one row per graph that ran."""
+    lines = ["| graph | lower bound | what ran | measured | predicted | predicted vs measured | GPU "
              "figure | Grappler | × lower bound | × original |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for res in results:
@@ -270,6 +212,16 @@ def markdown(results: list, seconds: float, quick: bool) -> str:
             lines.append(f"| {res['graph']} | {_mib(res['lower_bound_bytes'])} | {what} | {_mib(m)} | {_mib(pred)} | "
                          f"{diff} | {_mib(row['predicted_gpu_bytes'])} | {_mib(row['grappler_bytes'])} | "
                          f"{_ratio(m, res['lower_bound_bytes'])} | {_ratio(m, original)} |")
+    return lines
+
+
+def share_markdown(res: dict, seconds: float) -> str:
+    lines = ["# Real memory: ResNet-50 where 0.4x of its need is above the lower bound", "",
+             f"Made by `python bench/realmem.py --share` on {time.strftime('%Y-%m-%d')} ({platform.machine()}, "
+             f"Python {platform.python_version()}), {seconds / 60:.1f} minutes, as REAL-MEMORY.md is made (see there "
+             "for the columns). At 64" + sup(2) + " (REAL-MEMORY.md) the variables, their momentum and the weight "
+             "gradients are most of ResNet-50's need, and 0.4x of it is below the lower bound; at 384" + sup(2)
+             + " batch 2 the activations dominate.", ""] + table([res])
     return "\n".join(lines) + "\n"
 
 
@@ -283,7 +235,7 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     if args.share:
         with StandIn() as stand_in:
-            res = evaluate_share(*SHARE_GRAPH, stand_in, lambda text: print(text, flush=True))
+            res = evaluate(*SHARE_GRAPH, stand_in, lambda text: print(text, flush=True))
         OUT.mkdir(parents=True, exist_ok=True)
         (OUT / "realmem-share.json").write_text(json.dumps(res, indent=2))
         text = share_markdown(res, time.perf_counter() - t)
