@@ -32,7 +32,7 @@ SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})  # read a tensor's sh
 PLACEHOLDER_OPS = frozenset({"Placeholder", "PlaceholderWithDefault"})  # fed by a run
 CONSTANT_OPS = frozenset({"Const", "HostConst"})
 # Ops a plan never makes wait (a control input): a variable, whose initialiser reads it, so the
-# initialisation would run the step's ops (QA: a ResNet-50 plan on the stand-in made a momentum
+# initialisation would run the step's ops (bench-real: a ResNet-50 plan on the stand-in made a momentum
 # slot's VarHandleOp wait for a swap-out; initialising the slot then read variables not yet
 # initialised), and a placeholder (fed, it does not run, and the edge is lost).
 UNWAITING_OPS = VARIABLE_OPS | PLACEHOLDER_OPS
