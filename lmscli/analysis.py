@@ -148,10 +148,8 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
     from lmscli import grappler
 
     meta = with_graph_def(model.meta_graph, graph_def) if changed else model.meta_graph
-    pending = None
-    if optimize:
-        pending = (grappler.optimize_in_parallel(meta, model.fetches) if optimizer is None
-                   else _Done(optimizer(meta, model.fetches)))
+    # (Grappler in a second process, beside the work below; a given optimizer runs in its own)
+    pending = grappler.optimize_in_parallel(meta, model.fetches) if optimize and optimizer is None else None
     try:
         tensors = shapes.infer(graph_def)
         if known:
@@ -182,7 +180,10 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
         if pending is not None:
             pending.cancel()
         raise
-    optimized = pending() if pending is not None else None
+    if pending is not None:
+        optimized = pending()
+    else:
+        optimized = optimizer(meta, model.fetches) if optimize and optimizer is not None else None
     fused = grappler.fused_away(meta.graph_def, optimized)
     dead = untaken = frozenset()
     if prune_dead if prune_dead is not None else judge == "executor":
@@ -205,19 +206,6 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
             schedule = next(s for s in schedules if s.device == schedule.device)
     return Prepared(model, graph_def, view, schedule, batch_size, tuple(changed), fused, schedules, optimized,
                     trace=trace, dead=dead, untaken=untaken)
-
-
-class _Done:
-    """A result already at hand, called like :class:`lmscli.forked.Pending`."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def __call__(self):
-        return self.value
-
-    def cancel(self) -> None:
-        pass
 
 
 def _with_shapes(view: GraphView, shapes: dict) -> GraphView:

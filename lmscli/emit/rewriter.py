@@ -55,7 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lmscli.errors import GraphError, PlanError
-from lmscli.graph.graphview import UNWAITING_OPS, GraphView, gpu_key, parse_input
+from lmscli.graph.graphview import PLACEHOLDER_OPS, UNWAITING_OPS, GraphView, gpu_key, parse_input
 from lmscli.plan.document import Plan
 from lmscli.timing import timed
 
@@ -186,8 +186,9 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
         if node is None:
             raise PlanError(f"the plan names op {target!r}, which is not in the graph")
         if node.op in UNWAITING_OPS:
-            raise PlanError(f"the plan makes {target!r} ({node.op}) wait for {source!r}: a variable's "
-                            "initialisation, and every read of it, would then wait for the step's ops")
+            why = ("it is fed, so the edge would be lost" if node.op in PLACEHOLDER_OPS else
+                   "its initialisation, and every read of it, would then wait for the step's ops")
+            raise PlanError(f"the plan makes {target!r} ({node.op}) wait for {source!r}: {why}")
         ref = "^" + source
         if ref not in node.input:
             node.input.append(ref)
