@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import replace
 
 from lmscli.analysis import Analysis, Prepared, analyze, prepare, with_graph_def
@@ -37,7 +38,23 @@ __all__ = [
 
 def rewrite(prepared: Prepared, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, force: bool = False):
     """Emit the plan into a copy of the prepared graph: ``(meta_graph, RewriteReport)``."""
-    return emit(prepared, plan, host_device=host_device, force=force)
+    with _stand_in_hint(prepared, plan):
+        return emit(prepared, plan, host_device=host_device, force=force)
+
+
+@contextmanager
+def _stand_in_hint(prepared: Prepared, plan: Plan):
+    """A PlanError raised applying a stand-in plan (:attr:`Plan.stand_in`) to a step not prepared
+    for the stand-in says so: its triggers follow the order the stand-in ran the step in."""
+    from lmscli.errors import PlanError
+
+    try:
+        yield
+    except PlanError as exc:
+        if not plan.stand_in or prepared.stand_in is not None:
+            raise
+        raise PlanError(f"{exc} (this plan was made for the stand-in GPU, in the order its traced steps ran: apply it "
+                        "with --stand-in, or to a step prepared with api.for_stand_in)") from None
 
 
 def stand_in_step(model: Model) -> Model:
@@ -128,7 +145,8 @@ def replay(prepared: Prepared, plan: Plan) -> TuneResult:
     replays = []
     for schedule in prepared.schedules or (prepared.schedule,):
         baseline = simulate(schedule, (), device.link_bandwidth)
-        result = simulate(*simulated(plan, schedule, prepared.view), device.link_bandwidth)
+        with _stand_in_hint(prepared, plan):
+            result = simulate(*simulated(plan, schedule, prepared.view), device.link_bandwidth)
         replays.append((result.peak_bytes, schedule.device, baseline, result))
     _peak, name, baseline, result = max(replays, key=lambda r: r[0])
     filled = replace(plan, predicted=predicted(baseline, result, device.budget,

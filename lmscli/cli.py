@@ -489,6 +489,18 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
     if os.path.abspath(model) == os.path.abspath(output):
         raise InputError(f"{output}: refusing to overwrite the input; write to another file")
     progress = _progress(quiet, as_json, no_color)
+    plan = None
+    if plan_file:
+        try:
+            with open(plan_file, encoding="utf-8") as fh:
+                plan = Plan.from_json(fh.read())
+        except OSError as exc:
+            raise InputError(f"{plan_file}: cannot read the plan ({exc.strerror})") from None
+        if plan.stand_in and not stand_in:
+            # (its triggers follow the stand-in's traced order, its fetches the stand-in's step)
+            _log([f"[LMS] {plan_file} was made for the stand-in GPU (--stand-in): applying it to the step as the "
+                  "stand-in runs it"], not quiet)
+            stand_in = True
     with progress.phase(f"loading {model}"):
         loaded = _load(model, fmt, fetch, tag)
     if not force and has_lms_nodes(loaded.graph_def):
@@ -503,12 +515,7 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
             prepared = api.for_stand_in(prepared)
             link = link or STAND_IN_LINK
     options = _tune_options(**plan_kwargs)
-    if plan_file:
-        try:
-            with open(plan_file, encoding="utf-8") as fh:
-                plan = Plan.from_json(fh.read())
-        except OSError as exc:
-            raise InputError(f"{plan_file}: cannot read the plan ({exc.strerror})") from None
+    if plan is not None:
         result = None
     elif gpu_mem is None and device_preset is None and options.tflms is None:
         raise InputError("say how to plan: --gpu-mem SIZE, --device NAME, --plan plan.json, "

@@ -51,10 +51,29 @@ def proven(residual, tmp_path_factory):
     out = tmp_path_factory.mktemp("proof") / "residual.lms.meta"
     runner = CliRunner()
     limit = int(bound + 0.5 * (prepared.run_peak_bytes - bound)) // MIB * MIB
-    done = invoke(runner, "rewrite", residual, out, "--gpu-mem", limit, "--stand-in", "-q")
+    done = invoke(runner, "rewrite", residual, out, "--gpu-mem", limit, "--stand-in", "-q", "--plan-out",
+                  out.with_suffix(".plan.json"))
     assert done.exit_code == 0, done.output
     checked = invoke(runner, "verify", residual, out, "--gpu-mem", limit, "--json")
     return limit, out, json.loads(checked.stdout), checked.exit_code
+
+
+@pytest.mark.slow
+def test_a_stand_in_plan_applies_as_it_was_made_without_the_flag(proven, residual):
+    """A plan made with --stand-in says so, and `lms rewrite --plan` applies it to the step as the
+    stand-in runs it (its triggers follow that order, its fetches that step) without being told:
+    the same graph as the rewrite that made it (QA: `tune --stand-in --plan-out` then `rewrite
+    --plan` failed on a trigger "which runs after ... a consumer" and did not name the flag)."""
+    from click.testing import CliRunner
+
+    _limit, out, _doc, _code = proven
+    plan = json.loads(out.with_suffix(".plan.json").read_text())
+    assert plan["stand_in"] is True and plan["swaps"] + plan.get("recomputes", [])
+    again = out.with_name("again.meta")
+    done = invoke(CliRunner(), "rewrite", residual, again, "--plan", out.with_suffix(".plan.json"))
+    assert done.exit_code == 0, done.output
+    assert "was made for the stand-in GPU (--stand-in)" in done.stderr
+    assert again.read_bytes() == out.read_bytes()
 
 
 @pytest.mark.slow

@@ -266,6 +266,13 @@ def test_broken_plans_are_caught(samples):
     with pytest.raises(GraphError, match="cycle"):
         api.rewrite(prepared, replace(result.plan, swaps=(cyclic,), recomputes=()))
     assert consumer
+    # Replayed, the same trigger runs after its consumer; a plan made for the stand-in (in the order
+    # its traced steps ran) says where it applies.
+    with pytest.raises(PlanError, match="starts bringing back") as raised:
+        api.replay(prepared, replace(result.plan, swaps=(cyclic,), recomputes=()))
+    assert "--stand-in" not in str(raised.value)
+    with pytest.raises(PlanError, match=r"made for the stand-in GPU.*apply it with --stand-in"):
+        api.replay(prepared, replace(result.plan, swaps=(cyclic,), recomputes=(), stand_in=True))
     # A variable never waits: its initialisation would run the step's ops (QA: a momentum slot's
     # VarHandleOp, waiting for a swap-out, made initialising the slot read variables not yet set).
     variable = next(n.name for n in model.graph_def.node if n.op in ("VarHandleOp", "VariableV2"))

@@ -83,6 +83,10 @@ class Plan:
     # lmscli.emit.rewriter); off for plans judged by Grappler's estimate, which counts that Identity's
     # output as a second copy of the tensor (it forwards the buffer on a real executor).
     read_on_gpu: bool = True
+    # Made for the stand-in GPU (lms tune/rewrite --stand-in): its triggers follow the order the
+    # stand-in's traced steps ran, and its fetches the stand-in's step (the loss too); it applies to
+    # the step prepared as the stand-in runs it (lmscli.api.for_stand_in).
+    stand_in: bool = False
 
     @property
     def edits(self) -> tuple:
@@ -107,6 +111,8 @@ class Plan:
             del data["serial_loops"]
         if self.read_on_gpu:
             del data["read_on_gpu"]  # (the default: only plans judged by Grappler's estimate say false)
+        if not self.stand_in:
+            del data["stand_in"]
         return {"schema": PLAN_SCHEMA, "version": PLAN_VERSION, **data}
 
     def to_json(self) -> str:
@@ -158,7 +164,7 @@ class Plan:
                 raise ValueError("serial_loops (a list of loop frame names)")
             return cls(
                 recomputes=recomputes, host_stacks=host_stacks, serial_loops=tuple(serial_loops),
-                read_on_gpu=bool(data.get("read_on_gpu", True)),
+                read_on_gpu=bool(data.get("read_on_gpu", True)), stand_in=bool(data.get("stand_in", False)),
                 model=data["model"], graph_sha256=data["graph_sha256"], fetches=tuple(data["fetches"]),
                 batch_size=data.get("batch_size"), device=dict(data.get("device", {})),
                 strategy=data.get("strategy", "manual"), parameters=dict(data.get("parameters", {})),

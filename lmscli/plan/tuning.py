@@ -47,6 +47,8 @@ def tune(prepared: Prepared, device: Device, options: TuneOptions = TuneOptions(
             result.plan.predicted.get("run_peak_bytes") or result.result.peak_bytes
         raise NoFitError(f"no plan found fits under {format_size(device.budget)}: the best one found needs "
                          f"{format_size(need)}; try a larger --gpu-mem", budget_bytes=device.budget)
+    if prepared.stand_in is not None:
+        result = replace(result, plan=replace(result.plan, stand_in=True))
     return result
 
 
