@@ -94,9 +94,8 @@ class Prepared:
         refuses the graph."""
         from lmscli import grappler
 
-        if self.stand_in is not None and grappler.onednn():
-            return self.stand_in.grappler(meta_graph, self.model.fetches)
-        return grappler.optimize(meta_graph, self.model.fetches)
+        optimizer = self.stand_in.optimizer if self.stand_in is not None else None
+        return (optimizer or grappler.optimize)(meta_graph, self.model.fetches)
 
     @property
     def devices(self) -> tuple[str, ...]:

@@ -83,18 +83,16 @@ def for_stand_in(prepared: Prepared, stand_in=None) -> Prepared:
             "GPU runs all of them in one process under one limit, so it cannot judge plans made per GPU: plan "
             "without --stand-in (every GPU against the budget) and prove the rewrite with `lms verify ORIGINAL "
             "REWRITTEN`; `lms measure` gives the graph's need on the stand-in, all GPUs together")
-    from lmscli import grappler
-
     step = stand_in_step(prepared.model)
     stand_in = stand_in or shared()
     # What Grappler fuses decides which ops may take a control edge (a fused kernel's root may not):
     # the stand-in's sessions run it without oneDNN, which fuses no batch norm with its ReLU on a CPU
     # (bench-real: a DenseNet's stand-in plans needed 1.7x the lower bound, no batch norm
     # waiting for a swap-out, as if fused, though the stand-in ran them unfused).
-    other_grappler = prepared.optimized is not None and grappler.onednn()
-    if step is not prepared.model or other_grappler:  # (the loss's ops are part of the step the stand-in runs)
+    optimizer = stand_in.optimizer if prepared.optimized is not None else None
+    if step is not prepared.model or optimizer is not None:  # (the loss's ops are part of the step the stand-in runs)
         prepared = prepare(step, batch_size=prepared.batch_size, judge=prepared.schedule.memory_model,
-                           optimizer=stand_in.grappler if other_grappler else None)
+                           optimizer=optimizer)
     meta = with_graph_def(prepared.model.meta_graph, prepared.graph_def)
     seen = stand_in.observe(meta, prepared.model.fetches, batch_size=prepared.batch_size or 1)
     return replace(prepared.observed(seen.order, seen.scratch, seen.micros, seen.orders), stand_in=stand_in)

@@ -68,14 +68,13 @@ def predict(model, batch_size: int | None = None, observation=None, stand_in=Non
     # The stand-in runs the graph Grappler makes in its processes, without oneDNN: in a process with
     # oneDNN on, Grappler fuses batch norms with their ReLUs on a CPU, which the stand-in does not.
     stand_in = stand_in or shared()
-    other_grappler = grappler.onednn()
+    optimizer = stand_in.optimizer
     here, here_prepared, here_meta, here_run = model, prepared, prepared_meta, run
-    if len(prepared.devices) > 1 or other_grappler:
+    if len(prepared.devices) > 1 or optimizer is not None:
         if len(prepared.devices) > 1:
             here = api.Model(model.path, model.format, steps.on_one_device(meta), tuple(model.fetches),
                              model.fetch_source, list(model.notes))
-        here_prepared = api.prepare(here, batch_size=batch_size,
-                                    optimizer=stand_in.grappler if other_grappler else None)
+        here_prepared = api.prepare(here, batch_size=batch_size, optimizer=optimizer)
         here_meta = api.with_graph_def(here.meta_graph, here_prepared.graph_def)
         here_run = run_graph(here, here_meta, here_prepared.optimized, here_prepared.view.tensor_facts())
     # Each graph is observed itself: a rewrite's swap nodes and trigger edges change the order the

@@ -701,6 +701,16 @@ class StandIn:
         graph_def.ParseFromString(data[1:])
         return graph_def
 
+    @property
+    def optimizer(self):
+        """What a step to run here is prepared with (``prepare(optimizer=)``): :meth:`grappler`
+        when this process's Grappler would fuse otherwise (oneDNN on here: it fuses batch norms
+        with their ReLUs on a CPU, which the stand-in's processes, oneDNN off, do not), else None
+        (this process's Grappler makes the same graph, without a round trip)."""
+        from lmscli import grappler
+
+        return self.grappler if grappler.onednn() else None
+
     # -------------------------------------------------------- one run
     def _session(self, pair: _Pair, graph):
         tf = tensorflow()
