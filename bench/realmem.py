@@ -82,9 +82,9 @@ def _measure(stand_in, model, label: str, observation, extra: dict) -> Measured:
 
 
 def _smallest_plan(prepared, bound: int, need: int, strategy: str, limit_from: int | None = None,
-                   log=lambda text: None):
+                   log=lambda text: None, refine: int = REFINE):
     """(limit, TuneResult): the smallest limit, from the lower bound (or ``limit_from``) up to the
-    original's ``need`` in :data:`MAX_TRIES` even steps, then :data:`REFINE` bisections below it,
+    original's ``need`` in :data:`MAX_TRIES` even steps, then ``refine`` bisections below it,
     at which ``lms rewrite --stand-in --gpu-mem LIMIT`` (default reserve) finds a plan: each plan
     is judged by real runs on the stand-in under that limit. (Steps of 10% of the bound stopped
     short of the need once a larger set of swappable tensors lowered the bound; the even steps of
@@ -115,7 +115,7 @@ def _smallest_plan(prepared, bound: int, need: int, strategy: str, limit_from: i
             below = limit
             continue
         # Between the step without a plan and this one, bisect (at most REFINE more tunes).
-        for _ in range(REFINE if below is not None else 0):
+        for _ in range(refine if below is not None else 0):
             mid = (below + limit) // 2 // 2**20 * 2**20
             if mid <= below:
                 break
@@ -129,8 +129,10 @@ def _smallest_plan(prepared, bound: int, need: int, strategy: str, limit_from: i
 
 
 def evaluate(label: str, spec, stand_in, log, from_share: float | None = None) -> dict:
-    """The rows of one graph. ``from_share``: lms's scan starts at that share of the original's
-    need instead of the lower bound (a plan below it is not looked for)."""
+    """The rows of one graph. ``from_share`` (``--share``): lms's scan starts at that share of the
+    original's need instead of the lower bound, bisects once below its first plan, and the
+    TFLMS-style row is left out (at 384², each judged plan costs minutes of real runs: one tune at
+    407 MiB took 17 minutes, and three bisections and TFLMS's scan did not end in 55 minutes)."""
     import os
     import tempfile
 
@@ -147,9 +149,10 @@ def evaluate(label: str, spec, stand_in, log, from_share: float | None = None) -
     log(f"{label}: original needs {rows[0].min_limit_bytes:,} (predicted {rows[0].predicted_bytes:,})")
     need = rows[0].min_limit_bytes
     limit, lms_result = _smallest_plan(prepared, bound, need, "hybrid",
-                                       max(bound, int(need * from_share)) if from_share else None, log)
+                                       max(bound, int(need * from_share)) if from_share else None, log,
+                                       refine=1 if from_share else REFINE)
     plans = [("lms", limit, lms_result)]
-    if lms_result is not None:
+    if lms_result is not None and not from_share:
         plans.append(("lms --strategy tflms", *_smallest_plan(prepared, bound, need, "tflms", limit, log)))
     with tempfile.TemporaryDirectory() as tmp:
         for what, limit, result in plans:
@@ -232,7 +235,9 @@ def share_markdown(res: dict, seconds: float) -> str:
              "for the columns). At 64" + sup(2) + " (REAL-MEMORY.md) the variables, their momentum and the weight "
              "gradients are most of ResNet-50's need, and 0.4x of it is below the lower bound; at 384" + sup(2)
              + " batch 2 the activations dominate. lms's scan starts at " + f"{SHARE}x" + " the original's need (the "
-             "target), not at the lower bound.", ""] + table([res])
+             "target), not at the lower bound, in steps of a fifteenth of the way to the need, with one bisection "
+             "below its first plan; no TFLMS-style row (each judged plan costs minutes of real runs at this "
+             "size).", ""] + table([res])
     return "\n".join(lines) + "\n"
 
 
