@@ -112,6 +112,28 @@ def test_budget_below_lower_bound_is_exit_3(samples, runner):
     assert "Traceback" not in result.stderr
 
 
+def test_a_no_plan_answer_says_why_the_judge_moved_the_budget(samples):
+    """When the tune loop's margin (the judge's) plans the graph as written for less than the
+    budget and nothing fits, the answer says why: for the stand-in, its runs of earlier plans
+    needed more than lms's model of them (QA: a message about "the graph TensorFlow runs" there
+    misled, since it was the runs that needed more)."""
+    from dataclasses import replace
+
+    from lmscli.plan.planner import tune as plan_tune
+
+    prepared = api.prepare(api.load(str(samples / "cnn.meta")))
+    facts = api.analyze(prepared)
+    device = api.make_device(gpu_mem=int(facts.peak_bytes * 0.9), reserve=0.0)
+    margin = device.budget - facts.lower_bound_bytes - 1000
+    said = []
+    for which in (prepared, replace(prepared, stand_in=object())):  # (the planner only asks whether there is one)
+        with pytest.raises(NoFitError) as raised:
+            plan_tune(which, device, TuneOptions(), margin=margin)
+        said.append(str(raised.value))
+    assert "(the graph TensorFlow runs needs more than the graph as written, so it was planned as" in said[0]
+    assert "(the stand-in's runs of the plans before needed more than lms's model of them, so it was planned" in said[1]
+
+
 def test_plan_json_round_trip_and_apply(samples, runner, tmp_path):
     plan_path = tmp_path / "plan.json"
     result = invoke(runner, "tune", samples / "cnn.meta", "--gpu-mem", "75%", "--reserve", "0",

@@ -1596,8 +1596,10 @@ def _stuck_message(ctx: _Context, stuck: _Stuck, strategy: str, budget_act: int,
     moved = abs(planned - ctx.device.budget) > ctx.device.budget // 200  # the judge's margin moved it ...
     if moved or planned < stuck.need_bytes <= ctx.device.budget:  # ... or the move is why a need under it fails
         more = "more" if planned < ctx.device.budget else "less"
-        under += (f" (the graph TensorFlow runs needs {more} than the graph as written, so it was planned as "
-                  f"{format_size(planned)} for the graph as written)")
+        why = (f"the stand-in's runs of the plans before needed {more} than lms's model of them"
+               if ctx.prepared.stand_in is not None and planned < ctx.device.budget
+               else f"the graph TensorFlow runs needs {more} than the graph as written")
+        under += f" ({why}, so it was planned as {format_size(planned)} for the graph as written)"
         needs += " as written"
     return (f"no {kind} plan found under {under}: at "
             f"{sched.names[stuck.position]}{where} {needs} (lower bound {format_size(lb)}){guard}; "
