@@ -232,3 +232,38 @@ def test_moved_ops_the_optimizer_guard_names_are_moved_no_more(monkeypatch):
     assert plan.serialize and not {op for chain in plan.serialize for op in chain} & named
     assert not {op for m in ordering.freeing_first(prepared.view, prepared.schedule, prepared.fused, named)
                 for op in m} & named
+
+
+def test_no_placeholder_or_variable_is_moved_or_made_to_wait(tmp_path):
+    """A placeholder is fed (a control input into it is lost) and a variable op waiting for the
+    step's ops would make its initialisation run them: neither takes part in a move. QA: a
+    stand-in's traced order ran a mixed-precision net's label placeholder just before the float16
+    cast of its images, the cast (which frees the float32 images) was moved ahead of it, and the
+    rewriter refused the plan ("makes 'labels' (Placeholder) wait for 'Cast'"), exit 1."""
+    from lmscli.graph.graphview import UNWAITING_OPS
+    from lmscli.tfimport import tensorflow
+
+    tf = tensorflow()
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        images = v1.placeholder(tf.float32, [16, 32, 32, 8], name="images")
+        labels = v1.placeholder(tf.float32, [16, 10], name="labels")
+        w = v1.get_variable("w", [3, 3, 8, 16], initializer=v1.glorot_uniform_initializer(seed=1), use_resource=True)
+        y = tf.nn.relu(tf.nn.conv2d(tf.cast(images, tf.float16, name="Cast"), tf.cast(w, tf.float16), 1, "SAME"))
+        d = v1.get_variable("d", [16, 10], initializer=v1.glorot_uniform_initializer(seed=2), use_resource=True)
+        logits = tf.cast(tf.reduce_mean(y, [1, 2]), tf.float32) @ d
+        loss = tf.identity(tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(labels=labels, logits=logits)),
+                           name="loss")
+        v1.add_to_collection("train_op", v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op"))
+        v1.train.export_meta_graph(str(tmp_path / "mixed.meta"), graph=graph, clear_devices=True)
+    prepared = api.prepare(api.load(str(tmp_path / "mixed.meta")))
+    order = [name for name in prepared.schedule.names if name != "labels"]
+    order.insert(order.index("Cast"), "labels")  # (as the stand-in ran it)
+    seen = prepared.observed(order)
+    assert seen.schedule.names.index("labels") + 1 == seen.schedule.names.index("Cast")
+    moves = ordering.freeing_first(seen.view, seen.schedule, seen.fused)
+    ops = dict(zip(seen.schedule.names, seen.schedule.ops))
+    assert not [m for m in moves if {ops[m[0]], ops[m[1]]} & UNWAITING_OPS]
+    # (the cast still frees the images when it runs where it is)
+    assert ("Cast", "labels") not in moves

@@ -22,8 +22,10 @@ executor can leave updates to the end::
     after:   dW9 update9 ... dW1 update1       (control edges update9 -> the op after dW9, ...)
 
 A plan keeps the moves as ``serialize`` chains ``(B, op at p)``, emitted as control edges and
-simulated by :func:`applied`. Ops in while loops or cond branches, control-flow ops, host ops
-and ops Grappler's optimizations remove are never moved nor made to wait; of the stateful ops
+simulated by :func:`applied`. Ops in while loops or cond branches, control-flow ops, host ops,
+variables and placeholders (a fed placeholder's control input is lost; QA: a stand-in's order ran
+a label placeholder just before a float16 cast of the images, which was moved ahead of it) and
+ops Grappler's optimizations remove are never moved nor made to wait; of the stateful ops
 only an optimizer's update is moved (it frees the weight gradient it reads), and no op is moved
 past one that writes a variable it reads or reads (or writes) one it writes. Results do not
 change: the same kernels run on the same inputs, one after the other instead of the other way
@@ -32,7 +34,7 @@ round.
 
 from __future__ import annotations
 
-from lmscli.graph.graphview import CONSTANT_OPS, CONTROL_FLOW_OPS, VARIABLE_OPS, GraphView
+from lmscli.graph.graphview import CONSTANT_OPS, CONTROL_FLOW_OPS, UNWAITING_OPS, VARIABLE_OPS, GraphView
 from lmscli.graph.opdefs import StatefulOps
 from lmscli.model.memmodel import FORWARDING_OPS, roots
 from lmscli.plan.recompute import VARIABLE_READS, variable_of
@@ -66,7 +68,7 @@ def freeing_first(view: GraphView, schedule: Schedule, fused: frozenset = frozen
         node = schedule.nodes[k]
         op = schedule.ops[k]
         return (schedule.on_gpu[k] and op not in CONTROL_FLOW_OPS and op not in CONSTANT_OPS
-                and schedule.names[k] not in fixed
+                and op not in UNWAITING_OPS and schedule.names[k] not in fixed
                 and op not in FORWARDING_OPS and node not in fused and view.names[node] not in fused
                 and not view.in_loop(node) and not view.conditional(node))
 
