@@ -136,6 +136,26 @@ def test_broken_swap_saves_nothing(standin):
     assert not broken.fits and broken.oom_node == "c"
 
 
+def test_variables_are_read_after_the_steps_a_few_at_a_time():
+    """A read can copy its variable under the limit, so the check reads them in runs of at most
+    READ_GROUP_BYTES (a larger one, or one of unknown size, alone), in order, each once."""
+    from lmscli.prove.standin import READ_GROUP_BYTES, read_groups
+
+    tf = tensorflow()
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        sizes = {"a": [1000], "b": [2000], "table": [1 << 20], "c": [10], "d": [None, 4], "e": [3]}
+        names = tuple(f"{n}:0" for n in sizes)
+        variables = [v1.placeholder(tf.float32, shape, name=n) for n, shape in sizes.items()]
+    groups = read_groups(names, variables)
+    assert [n for g in groups for n in g[0]] == list(names)
+    assert [len(g[0]) == len(g[1]) for g in groups] == [True] * len(groups)
+    assert [g[0] for g in groups] == [("a:0", "b:0"), ("table:0",), ("c:0",), ("d:0",), ("e:0",)]
+    assert read_groups(names[:4], variables[:4], cap=1 << 30) == [(names[:4], variables[:4])]
+    assert READ_GROUP_BYTES >= 1 << 20
+
+
 @pytest.mark.slow
 def test_find_min_is_the_threshold(standin):
     meta = toy()

@@ -86,6 +86,7 @@ _LOG_HEAD = re.compile(r"^[IWEF]\d{4} \d+:\d+:(\d+\.\d+) +(\d+) ")  # glog: time
 _MAP = "memory-map"  # the prefix of the allocator's memory maps (TF_BFC_MEMORY_DUMP) in a server's files
 _POLL_S = 0.05
 _MAX_LIMIT = 1 << 40
+READ_GROUP_BYTES = 1 << 20  # the variables read after the steps in one run, at most (one larger alone)
 OBSERVE_REGION = 8 << 30  # the allocator's region in an observed step: as good as no limit
 
 
@@ -162,6 +163,28 @@ def _free_ports(count: int) -> list[int]:
     finally:
         for s in sockets:
             s.close()
+
+
+def read_groups(names, variables, cap: int = READ_GROUP_BYTES):
+    """``(names, variables)`` runs to read the variables after the steps in: in order, each of at
+    most ``cap`` bytes (a larger variable, or one of unknown size, alone). A read can allocate a
+    copy of its variable under the limit (a variable an ``embedding_lookup`` gathers from is read
+    by copy); read in one run, all the copies were held at once, and the check's own read needed
+    more than the step (QA: an embedding model whose steps fit under 20 MiB ran out of memory
+    reading its 4.9 MiB table with its slots)."""
+    groups: list[tuple[list, list]] = []
+    held = cap
+    for name, variable in zip(names, variables):
+        shape = variable.shape
+        size = (shape.num_elements() * variable.dtype.base_dtype.size
+                if shape.is_fully_defined() and variable.dtype.base_dtype.is_numpy_compatible else cap)
+        if held + size > cap:
+            groups.append(([], []))
+            held = 0
+        groups[-1][0].append(name)
+        groups[-1][1].append(variable)
+        held += size
+    return [(tuple(n), v) for n, v in groups]
 
 
 def _last_line(path: str) -> str:
@@ -748,7 +771,9 @@ class StandIn:
                     if prep.produced:
                         outputs.append({t.name: np.asarray(v) for t, v in zip(prep.produced, out["outputs"])})
                 phase = "reading the variables"
-                values = dict(zip(g.variable_names, sess.run(g.variables, options=options)))
+                values = {}
+                for names, variables in read_groups(g.variable_names, g.variables):
+                    values.update(zip(names, sess.run(variables, options=options)))
         except tf.errors.OpError as exc:
             raise _RunFailed(exc, phase) from None
         placements = {op.name: op.device for op in g.graph.get_operations() if is_lms_node(op.name)}
