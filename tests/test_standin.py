@@ -136,6 +136,19 @@ def test_broken_swap_saves_nothing(standin):
     assert not broken.fits and broken.oom_node == "c"
 
 
+def test_an_out_of_memory_line_says_when_the_free_memory_was_in_pieces():
+    """In use plus the request under the limit: the allocator had the bytes, not one chunk of them."""
+    from lmscli.prove.standin import _oom_message
+
+    line = "ran out of memory trying to allocate 4.50 MiB for c2/Conv2D with 7.06 MiB in use"
+    apart = _oom_message(line, "running the step", 14 * MIB, "c2/Conv2D", int(11.56 * MIB))
+    assert apart.startswith("out of memory under 14 MiB while running the step: allocating 4.50 MiB for c2/Conv2D "
+                            "failed (7.06 MiB in use): the limit holds that much in all, but no free chunk")
+    full = _oom_message(line, "running the step", 10 * MIB, "c2/Conv2D", int(11.56 * MIB))
+    assert full.endswith("failed (7.06 MiB in use)") and _oom_message(line, "running the step", 14 * MIB, None) \
+        .endswith("in use)")
+
+
 def test_variables_are_read_after_the_steps_a_few_at_a_time():
     """A read can copy its variable under the limit, so the check reads them in runs of at most
     READ_GROUP_BYTES (a larger one, or one of unknown size, alone), in order, each once."""

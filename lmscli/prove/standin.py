@@ -543,8 +543,12 @@ def _mib(num_bytes: int | None) -> str:
     return "no limit" if num_bytes is None else f"{num_bytes / MIB:,.0f} MiB"
 
 
-def _oom_message(text: str, phase: str, limit_bytes: int | None, node: str | None) -> str:
-    """One line from the allocator's log line, TensorFlow's OOM error, or the watch's own finding."""
+def _oom_message(text: str, phase: str, limit_bytes: int | None, node: str | None,
+                 need_bytes: int | None = None) -> str:
+    """One line from the allocator's log line, TensorFlow's OOM error, or the watch's own finding.
+    ``need_bytes``: the bytes in use then plus the request; when the limit holds that much, the
+    line says the free memory was in pieces (QA: "allocating 4.50 MiB ... failed (7.06 MiB in
+    use)" under 14 MiB read as a contradiction)."""
     size = re.search(r"to allocate ([\d.]+ ?[KMGT]?i?B|\S+)", text)
     tensor = re.search(r"shape\[([^\]]*)\] and type (\w+)", text)
     held = re.search(r"with (.+ in use)", text)
@@ -555,6 +559,8 @@ def _oom_message(text: str, phase: str, limit_bytes: int | None, node: str | Non
     detail += " failed"
     if held:
         detail += f" ({held.group(1)})"
+    if need_bytes is not None and limit_bytes is not None and need_bytes <= limit_bytes:
+        detail += ": the limit holds that much in all, but no free chunk was that large (the free memory was in pieces)"
     return f"out of memory under {_mib(limit_bytes)} while {phase}: {detail}"
 
 
@@ -790,7 +796,8 @@ class StandIn:
             watch.stop()
             if watch.oom_line is not None:  # it fitted only by waiting for memory a transfer freed
                 return _Outcome(False, oom_node=watch.oom_node, need_bytes=watch.need_bytes,
-                                message=_oom_message(watch.oom_line, "running the step", limit_bytes, watch.oom_node)
+                                message=_oom_message(watch.oom_line, "running the step", limit_bytes, watch.oom_node,
+                                                     watch.need_bytes)
                                 + " (the step went on once a transfer freed memory: it stalled)")
             return _Outcome(True, result, peak_bytes=pair.standin.peak_bytes() if peak else None,
                             trace=tuple(traced or ()))
@@ -810,7 +817,7 @@ class StandIn:
             line = str(exc).strip()
         if line is not None:
             node = node or _oom_node(line) or _oom_node(str(exc))
-            return _Outcome(False, oom_node=node, message=_oom_message(line, phase, limit_bytes, node),
+            return _Outcome(False, oom_node=node, message=_oom_message(line, phase, limit_bytes, node, watch.need_bytes),
                             need_bytes=watch.need_bytes)
         dead = watch.died or pair.dead()
         if dead:
