@@ -1042,18 +1042,25 @@ def _moves(prepared: Prepared, device: Device, options: TuneOptions, margin: int
     written = simulate(prepared.schedule, (), device.link_bandwidth, detail=False).peak_bytes
     if written <= device.budget - margin:
         return None
-    chains = ordering.freeing_first(prepared.view, prepared.schedule, prepared.fused, options.fixed)
+    # The work on one input to the end before the work on another first (gradient accumulation's
+    # micro-batches, interleaved by the executor, held both at once), then the ops that free more
+    # than they make, in that order.
+    fixed = frozenset(options.fixed) | remapped(prepared.view, prepared.optimized)
+    delays = ordering.later_branches(prepared.view, prepared.schedule, prepared.fused, fixed,
+                                     budget=device.budget - margin)
+    delayed = ordering.applied(prepared.schedule, delays, prepared.view) if delays else prepared.schedule
+    chains = delays + ordering.freeing_first(prepared.view, delayed, prepared.fused, options.fixed)
     if not chains:
         return None
     moved = ordering.applied(prepared.schedule, chains, prepared.view)
     after = simulate(moved, (), device.link_bandwidth, detail=False).peak_bytes
     if after > written:
         return None
-    return chains, moved, after
+    return chains, moved, after, len(delays), len({x for _y, x in delays})
 
 
 def _reordered(prepared: Prepared, device: Device, options: TuneOptions, margin: int, log: list[str], chains,
-               moved: Schedule, after: int) -> TuneResult:
+               moved: Schedule, after: int, delays: int = 0, delayed: int = 0) -> TuneResult:
     """The plan for the step with ``chains``' moves made (``moved``, whose peak is ``after``), the
     moves kept in the plan (``serialize``) and its figures against the step as written."""
     baseline = simulate(prepared.schedule, (), device.link_bandwidth)
@@ -1061,9 +1068,14 @@ def _reordered(prepared: Prepared, device: Device, options: TuneOptions, margin:
     result = _tune_one(replace(prepared, schedule=moved, schedules=(moved,)), device, options, margin, lines)
     peak = (f"the step's peak is {format_size(after)} instead of {format_size(baseline.peak_bytes)}"
             if after < baseline.peak_bytes else f"the step's peak stays {format_size(after)}, and less is held elsewhere")
-    log.append(f"[LMS] [Simulator] {len(chains)} op(s) that free more memory than they make run just before the op "
-               f"next to them (a control edge each; the same results): {peak}, before anything is swapped or made "
-               "again (--keep-order: leave the order)")
+    moves = len(chains) - delays  # (the delays come first)
+    what = ", ".join(part for part in (
+        f"{moves} op(s) that free more memory than they make run just before the op next to them (a control edge "
+        "each)" if moves else "",
+        f"the work on {delayed} input(s) waits until the work on another has run ({delays} control edges: "
+        "run interleaved, both were held)" if delays else "") if part)
+    log.append(f"[LMS] [Simulator] {what} (the same results): {peak}, before anything is swapped or made again "
+               "(--keep-order: leave the order)")
     log.extend(line for line in lines if not line.startswith("[LMS] [Simulator] LMS is not necessary"))
     plan = result.plan
     figures = dict(plan.predicted, **predicted(baseline, result.result, device.budget,

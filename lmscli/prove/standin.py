@@ -559,8 +559,9 @@ def _oom_message(text: str, phase: str, limit_bytes: int | None, node: str | Non
     detail += " failed"
     if held:
         detail += f" ({held.group(1)})"
-    if need_bytes is not None and limit_bytes is not None and need_bytes <= limit_bytes:
-        detail += ": the limit holds that much in all, but no free chunk was that large (the free memory was in pieces)"
+    if need_bytes is not None and limit_bytes is not None and need_bytes <= limit_bytes * 0.98:
+        detail += (": the limit holds that much in all (2% to spare), but no free chunk was that large (the free "
+                   "memory was in pieces)")
     return f"out of memory under {_mib(limit_bytes)} while {phase}: {detail}"
 
 
