@@ -345,8 +345,22 @@ def test_the_work_on_one_input_waits_until_the_work_on_another_has_run(accumulat
     assert all(pos[y] < pos[waiter] for y, _x in delays)
     peak, woven_peak, delayed_peak = (simulate(s).peak_bytes for s in (sched, interleaved, moved))
     assert delayed_peak < 0.8 * woven_peak and delayed_peak <= peak
-    # Nothing to delay with one input, or once the step is under the budget.
+    # Nothing to delay once the step is under the budget.
     assert ordering.later_branches(view, interleaved, prepared.fused, budget=woven_peak) == ()
+    # With the moves that follow them (which leave the ops of a delay alone), every edge holds in
+    # the planned order and the written graph has no cycle.
+    from dataclasses import replace
+
+    from lmscli.plan import planner
+
+    woven_step = replace(prepared, schedule=interleaved, schedules=(interleaved,))
+    device = api.make_device(gpu_mem=int(0.7 * woven_peak), reserve=0.0)
+    chains, planned, _after, delays_made, waiting = planner._moves(woven_step, device, api.TuneOptions(reorder=True), 0)
+    assert delays_made == len(delays) and waiting == 1
+    pos = {name: k for k, name in enumerate(planned.names)}
+    assert all(pos[a] < pos[b] for a, b in chains)
+    plan = planner.tune(woven_step, api.make_device(gpu_mem="1GiB", reserve=0.0)).plan
+    api.rewrite(woven_step, replace(plan, serialize=tuple(chains)))  # (validated: no cycle)
 
 
 def _an_order(sched, view, wanted, index) -> list:

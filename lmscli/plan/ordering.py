@@ -223,13 +223,17 @@ def later_branches(view: GraphView, schedule: Schedule, fused: frozenset = froze
     if len(readers) < 2:
         return ()
     chains: list[tuple[str, str]] = []
+    waits: dict[str, list[str]] = {}  # the delays kept so far: op -> the ops it waits for
     current = schedule
     peak = simulate(current, detail=False).peak_bytes
     for reader in readers:
         if budget is not None and peak <= budget:
             break
         pos = {name: k for k, name in enumerate(current.names)}
-        needs = [_needs(current, k, view, pos) for k in range(len(current))]
+        # (what each op needs, the kept delays included: an op the next delay may wait for never
+        # depends on its waiter through one of them)
+        needs = [_needs(current, k, view, pos) + [pos[w] for w in waits.get(current.names[k], ())]
+                 for k in range(len(current))]
         readers_of: dict[int, list[int]] = {}
         for k, ks in enumerate(needs):
             for m in ks:
@@ -244,11 +248,12 @@ def later_branches(view: GraphView, schedule: Schedule, fused: frozenset = froze
         if not ends or len(ends) > MAX_WAITS:
             continue
         pairs = [(current.names[k], current.names[x]) for k in ends]
-        trial = applied(current, pairs, view)
+        trial = applied(schedule, chains + pairs, view)
         got = simulate(trial, detail=False).peak_bytes
-        if trial is not current and got <= peak - max(MIN_GAIN, peak // 100):
+        if got <= peak - max(MIN_GAIN, peak // 100):
             peak, current = got, trial
             chains.extend(pairs)
+            waits.setdefault(schedule.names[reader], []).extend(y for y, _x in pairs)
     return tuple(chains)
 
 

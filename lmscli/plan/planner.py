@@ -1049,7 +1049,10 @@ def _moves(prepared: Prepared, device: Device, options: TuneOptions, margin: int
     delays = ordering.later_branches(prepared.view, prepared.schedule, prepared.fused, fixed,
                                      budget=device.budget - margin)
     delayed = ordering.applied(prepared.schedule, delays, prepared.view) if delays else prepared.schedule
-    chains = delays + ordering.freeing_first(prepared.view, delayed, prepared.fused, options.fixed)
+    # (an op a delay involves is neither moved nor made to wait: a move across its delay could
+    # close a cycle with it)
+    held = frozenset(options.fixed) | frozenset(name for pair in delays for name in pair)
+    chains = delays + ordering.freeing_first(prepared.view, delayed, prepared.fused, held)
     if not chains:
         return None
     moved = ordering.applied(prepared.schedule, chains, prepared.view)
