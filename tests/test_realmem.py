@@ -462,7 +462,7 @@ def test_a_gpu_plans_swap_outs_leave_the_stand_in_when_its_sends_run(attention, 
     takes the host's swap-out nodes where they really started, so the stand-in's prediction
     follows: QA, a ViT plan predicted at 27 MiB needed 51 (now predicted 51); here the
     transformer's plan at half its peak needs 20-22 MiB, predicted 12 without the host's nodes in
-    the order, 20-23 with them. (The point is the floor: the upper bound is 15% here, as the
+    the order, 20-23 with them. (The point is the floor: the upper bound is 20% here, as the
     largest need over the traced orders, whose sends land at different moments, reached 23 MiB
     against a need of 20 in two suite runs beside a benchmark.)"""
     from dataclasses import replace as _replace
@@ -481,7 +481,7 @@ def test_a_gpu_plans_swap_outs_leave_the_stand_in_when_its_sends_run(attention, 
     assert len(swap_outs) == len(plan.swaps)
     need = stand_in.find_min(steps.map_gpu_ops(meta)[0], model.fetches).limit_bytes
     p = prediction.predicted_standin_bytes
-    assert 0.85 * need <= p <= 1.15 * need, (p / MIB, need / MIB)
+    assert 0.85 * need <= p <= 1.20 * need, (p / MIB, need / MIB)
     run = run_graph(rewritten, meta, api.prepare(rewritten).optimized)
     device_only = run_peak_of(run, seen.scratch, tuple(n for n in seen.order if n not in swap_outs), seen.micros)
     assert device_only < 0.7 * need
