@@ -65,12 +65,7 @@ def freeing_first(view: GraphView, schedule: Schedule, fused: frozenset = frozen
     size[-1] = 0
 
     def movable(k: int) -> bool:
-        node = schedule.nodes[k]
-        op = schedule.ops[k]
-        return (schedule.on_gpu[k] and op not in CONTROL_FLOW_OPS and op not in CONSTANT_OPS
-                and op not in UNWAITING_OPS and schedule.names[k] not in fixed
-                and op not in FORWARDING_OPS and node not in fused and view.names[node] not in fused
-                and not view.in_loop(node) and not view.conditional(node))
+        return _movable(view, schedule, k, fused, fixed)
 
     stateful = StatefulOps()
     variables: dict[int, tuple[frozenset, frozenset]] = {}
@@ -131,6 +126,18 @@ def freeing_first(view: GraphView, schedule: Schedule, fused: frozenset = frozen
         out.append((b, p))
     out.sort(key=lambda m: m[1])
     return tuple((schedule.names[b], schedule.names[p]) for b, p in out)
+
+
+def _movable(view: GraphView, schedule: Schedule, k: int, fused: frozenset, fixed: frozenset) -> bool:
+    """May the op at ``k`` be moved or made to wait? A GPU op outside loops and cond branches that
+    is not control flow, a constant, a variable, a placeholder or a forwarding op, that Grappler's
+    optimizations keep (not in ``fused``) and that ``fixed`` does not name."""
+    node = schedule.nodes[k]
+    op = schedule.ops[k]
+    return (schedule.on_gpu[k] and op not in CONTROL_FLOW_OPS and op not in CONSTANT_OPS
+            and op not in UNWAITING_OPS and op not in FORWARDING_OPS and schedule.names[k] not in fixed
+            and node not in fused and view.names[node] not in fused
+            and not view.in_loop(node) and not view.conditional(node))
 
 
 def applied(schedule: Schedule, chains, view: GraphView | None = None) -> Schedule:
@@ -211,12 +218,7 @@ def later_branches(view: GraphView, schedule: Schedule, fused: frozenset = froze
     stateful = StatefulOps()
 
     def movable(k: int) -> bool:
-        node = schedule.nodes[k]
-        op = schedule.ops[k]
-        return (schedule.on_gpu[k] and op not in CONTROL_FLOW_OPS and op not in CONSTANT_OPS
-                and op not in UNWAITING_OPS and op not in FORWARDING_OPS and not stateful(op)
-                and schedule.names[k] not in fixed and node not in fused and view.names[node] not in fused
-                and not view.in_loop(node) and not view.conditional(node))
+        return _movable(view, schedule, k, fused, fixed) and not stateful(schedule.ops[k])
 
     fed = {k for k in range(n) if schedule.ops[k] in PLACEHOLDER_OPS}
     readers = [k for k in range(n) if movable(k) and fed & set(_needs(schedule, k, view, index))][:MAX_BRANCHES]
