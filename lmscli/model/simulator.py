@@ -60,6 +60,7 @@ class SimSwap:
     extra: int = 0  # recompute: bytes of intermediate results held while the clones run
     chain: tuple[int, ...] = ()  # recompute: positions of the ops cloned, inputs first
     via: tuple[tuple[int, int], ...] = ()  # recompute: (tensor, group) swap-ins the clones read sources from
+    pins: tuple[tuple[int, int], ...] = ()  # (first, then): "then" runs after "first", an order the swap needs
 
     @property
     def recompute(self) -> bool:

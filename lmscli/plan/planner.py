@@ -378,6 +378,7 @@ class _Choice:
     cost: int = 0  # predicted microseconds the choice adds to the step
     companions: tuple = ()  # swaps of the other tensors sharing its buffer, made with it (size 0)
     replaces: "_Choice | None" = None  # a chosen swap of the same tensor this one brings back later
+    adds: bool = False  # a chosen swap brought back once more (:func:`_second_swap_in`): its old span stays free
 
 
 def _busy_blocks(transfers) -> list[tuple[int, int]]:
@@ -624,6 +625,13 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
             continue
         # Take the ranked swaps at p until p is within budget (the ranking is not refreshed).
         for best in ranked:
+            if best.adds:  # the same swap, brought back once more: what it freed stays free
+                old = chosen[best.swap.tensor]
+                chosen[best.swap.tensor] = replace(best, lo=min(old.lo, best.lo), hi=max(old.hi, best.hi))
+                profile[best.lo: best.hi + 1] -= best.size
+                if profile[p] <= budget_act:
+                    break
+                continue
             if best.replaces is not None:  # the same swap, brought back later: its old span counts again
                 old = best.replaces
                 profile[old.lo: old.hi + 1] += old.size
@@ -718,6 +726,8 @@ def _ranked_choices(ctx: _Context, chosen: dict, p: int, judged: _Judged, clippe
     late = _late_free(ctx, chosen, p, judged)
     if late is None and "swap" in modes:
         late = _later_swap_in(ctx, chosen, p, judged)
+    if late is None and "swap" in modes:
+        late = _second_swap_in(ctx, chosen, p, judged)
     return [late] if late is not None else []
 
 
@@ -751,6 +761,68 @@ def _later_swap_in(ctx: _Context, chosen: dict, p: int, judged: _Judged) -> _Cho
         if not choice.lo <= p <= choice.hi or not _helps_instantly(ctx, choice.swap, p, judged.instant):
             continue
         choice.cost, choice.replaces = choice.stall, old
+        if best is None or (choice.size, -choice.stall, -tid) > (best.size, -best.stall, -best.swap.tensor):
+            best = choice
+    return best
+
+
+def _second_swap_in(ctx: _Context, chosen: dict, p: int, judged: _Judged) -> _Choice | None:
+    """When nothing else is left at ``p``: a chosen swap whose swap-in is held across ``p``, for a
+    consumer before it and one after, brought back twice instead: the first swap-in is freed after
+    the consumers before ``p``, a second comes back for those after it (from the latest fit op,
+    accepting the stall). A convolution's input is read by its filter gradient and, after the input
+    gradient, by the ReLU gradient of the layer below; held between them, it sits beside the two
+    largest tensors of the step (QA: a CNN stuck at 1.24x its lower bound at every budget)::
+
+        before: out after c1 ... in -> c1 filter grad, c1 input grad (p), c0 ReluGrad
+        after:  out after c1 ... in -> c1 filter grad, c1 input grad (p), in -> c0 ReluGrad
+
+    The largest tensor freed at ``p`` is chosen (the least stall among equals)."""
+    result, instant = judged.result, judged.instant
+    executor = ctx.schedule.memory_model == "executor"
+    best = None
+    for tid in ctx.live_candidates(p):
+        old = chosen.get(tid)
+        if old is None or old.recipe is not None or old.companions or old.replaces is not None:
+            continue
+        groups = old.swap.groups
+        k = next((i for i, g in enumerate(groups) if g.consumers[0] < p < g.consumers[-1]), None)
+        if k is None or p in groups[k].consumers:
+            continue
+        group = groups[k]
+        before = tuple(c for c in group.consumers if c < p)
+        after = tuple(c for c in group.consumers if c > p)
+        transfer = transfer_us(ctx.schedule.tensors[tid].num_bytes, ctx.device.link_bandwidth)
+        v, cap, need = after[0], ctx.cap(after), ctx.need(after)
+        latest = min(bisect.bisect_right(result.ends, result.starts[v] - transfer) - 1, v - 1, cap - 1)
+        trig, stall = None, 0
+        if latest >= p:
+            trig = ctx.trigger(v, latest, p, need)
+            if trig is None:
+                trig = ctx.any_trigger(latest, p)
+        if trig is None:
+            trig = ctx.trigger(v, min(v, cap) - 1, p, need)
+            if trig is None:
+                continue
+            stall = max(0, transfer - (result.starts[v] - result.ends[trig]))
+        # With instant transfers too, the first swap-in is gone when p starts and the second not yet back.
+        freed, back = instant.ends[before[-1]], instant.ends[trig]
+        if executor:
+            if not ((instant.starts[p], p) > (freed, before[-1]) and (instant.ends[p], p) < (back, trig)):
+                continue
+        elif not (instant.starts[p] > freed and instant.ends[p] < back):
+            continue
+        # p must run after the consumers before it: unless they are its ancestors, it waits for them.
+        first = before[-1]
+        pins = old.swap.pins
+        if ctx.walk_ancestors(p, keep=lambda q: q >= first, accept=lambda q: q == first) != first:
+            if not (ctx.can_edge[first] and not ctx.absorbed[first] and ctx.can_edge[p] and not ctx.absorbed[p]
+                    and not ctx.fusion_root[p] and not ctx.no_wait[p] and branch_safe(ctx.tags[first], ctx.tags[p])):
+                continue
+            pins = pins + ((first, p),)
+        split = groups[:k] + (replace(group, consumers=before), SwapIn(after, trig)) + groups[k + 1:]
+        choice = _Choice(replace(old.swap, groups=split, pins=pins), first + 1, trig, old.size, stall, cost=stall,
+                         adds=True)
         if best is None or (choice.size, -choice.stall, -tid) > (best.size, -best.stall, -best.swap.tensor):
             best = choice
     return best
@@ -1248,6 +1320,8 @@ def _tune_on(prepared: Prepared, device: Device, options: TuneOptions, margin: i
         swaps = landed(ctx, swaps)
         result = ctx.simulate(swaps)
     recomputes = recomputes_from_sim(swaps, sched)
+    # The orders swaps brought back twice rely on (_second_swap_in), as control edges.
+    pins = tuple(sorted({(sched.names[a], sched.names[b]) for s in swaps for a, b in s.pins}))
     plan = Plan(
         model=prepared.model.name,
         graph_sha256=graph_fingerprint(prepared.graph_def),
@@ -1261,6 +1335,7 @@ def _tune_on(prepared: Prepared, device: Device, options: TuneOptions, margin: i
         predicted=predicted(baseline, result, budget, recompute_flops(recomputes, prepared.view)),
         host_stacks=host_stacks_from(host_stacks, prepared.view, sched),
         read_on_gpu=sched.memory_model == "executor",
+        serialize=pins,
     )
     if (plan.changes or serial) and options.serial_loops:
         plan = replace(plan, serial_loops=parallel_loops(prepared.view, sched.names))
