@@ -649,3 +649,54 @@ def test_a_stand_in_step_is_planned_by_what_the_stand_ins_grappler_fuses(tmp_pat
     assert "_FusedBatchNormEx" in seen["guard_here"]
     assert seen["roots_stand_in"] == [] and seen["relus_fused_stand_in"] == []  # ... the stand-in does not
     assert "_FusedBatchNormEx" not in seen["guard_stand_in"]
+
+
+def test_a_swap_out_sends_through_an_identity_so_the_kernel_still_writes_over_its_input(stand_in, tmp_path):
+    """An output another process reads (the stand-in's swap-out to its host process) is allocated
+    so that the network can send from it, so a ReLU whose output is swapped took a buffer of its
+    own instead of writing over its bias add's: one activation more at each swapped ReLU (QA: a
+    CNN's plan for 12 MiB needed 18 on the stand-in, as much as the original). lms's swap-outs read
+    the tensor through an Identity on the GPU, which forwards the buffer: the same plan needs 15.
+    Here: the rewrite fits at its prediction (plus 3%), where the same graph with its swap-outs
+    reading the ReLUs directly runs out of memory."""
+    from lmscli.prove.realmem import predict
+    from tests.conftest import v1_training_graph
+
+    path = tmp_path / "cnn.meta"
+    with v1_training_graph(path) as (tf, v1, graph):
+        h = v1.placeholder(tf.float32, [16, 48, 48, 3], name="images")
+        for k, (width, stride) in enumerate(((24, 1), (32, 1), (32, 2), (48, 1), (48, 2), (64, 1))):
+            w = v1.get_variable(f"w{k}", [3, 3, h.shape[-1], width], use_resource=True,
+                                initializer=v1.glorot_uniform_initializer(seed=k))
+            h = tf.nn.relu(tf.nn.conv2d(h, w, stride, "SAME"))
+        graph.loss = tf.reduce_mean(tf.square(tf.reduce_mean(h, [1, 2])))
+    model = api.load(str(path))
+    prepared = api.prepare(model)
+    budget = int(api.analyze(prepared).lower_bound_bytes * 1.1)
+    result = api.tune(prepared, api.make_device(gpu_mem=budget, reserve=0.0))
+    relus = [s for s in result.plan.swaps if s.tensor.startswith("Relu")]
+    assert relus
+    rewritten, report = api.rewrite(prepared, result.plan)
+    assert report.sent == report.swap_outs
+    nodes = {node.name: node for node in rewritten.graph_def.node}
+    for swap in result.plan.swaps:
+        producer = swap.tensor.split(":")[0]
+        send = nodes[f"{producer}-lms-send-0"]
+        assert send.op == "Identity" and send.input[0] == producer and send.device == nodes[producer].device
+        assert nodes[f"{producer}-lms-swapout-0"].input[0] == send.name
+    done = tmp_path / "cnn.lms.meta"
+    api.save(model, rewritten, str(done))
+    again = api.load(str(done))
+    predicted = predict(again, stand_in=stand_in)[0].predicted_standin_bytes
+    limit = -(-int(predicted / 0.97) // MIB) * MIB
+    assert stand_in.run(again.meta_graph, again.fetches, limit, runs=1).fits
+    # The swap-outs reading the ReLUs themselves: each ReLU allocates beside its input.
+    direct = type(again.meta_graph)()
+    direct.CopyFrom(again.meta_graph)
+    sends = {node.name: node.input[0] for node in direct.graph_def.node if "-lms-send-" in node.name}
+    for node in direct.graph_def.node:
+        node.input[:] = [sends.get(i, i) for i in node.input]
+    kept = [node for node in direct.graph_def.node if node.name not in sends]
+    del direct.graph_def.node[:]
+    direct.graph_def.node.extend(kept)
+    assert not stand_in.run(direct, again.fetches, limit, runs=1).fits

@@ -363,8 +363,12 @@ def test_everything_else_is_preserved(samples, tmp_path):
         rewired = [i for i in node.input if i not in kept]
         assert all(i in node.input for i in kept)
         assert len(new.input) - len(kept) >= len(rewired)
-    # a swap-out, and per swap-in the host copy and its Identity on the GPU
-    assert len(new_nodes) == len(old.graph_def.node) + result.plan.predicted["swap_outs"] + 2 * result.plan.predicted["swap_ins"]
+    # per swap-out the Identity it sends from and the host copy; per swap-in the host copy and its Identity on the GPU
+    assert len(new_nodes) == (len(old.graph_def.node) + 2 * result.plan.predicted["swap_outs"]
+                              + 2 * result.plan.predicted["swap_ins"])
+    sends = [n for n in new_graph.graph_def.node if "-lms-send-" in n.name]
+    assert len(sends) == result.plan.predicted["swap_outs"]
+    assert all(n.op == "Identity" and n.device == new_nodes[n.input[0].split(":")[0]].device for n in sends)
 
 
 def test_below_the_bound_of_the_original_order_grapplers_order_may_fit(samples):
@@ -384,7 +388,7 @@ def test_below_the_bound_of_the_original_order_grapplers_order_may_fit(samples):
     assert any("orders the step differently" in line for line in result.log)
     new_graph, report = api.rewrite(prepared, result.plan)
     # Judged by Grappler's estimate: consumers read the host swap-in (no Identity on the GPU).
-    assert not result.plan.read_on_gpu and report.landed == 0 and "through an Identity" not in report.summary()
+    assert not result.plan.read_on_gpu and report.landed == report.sent == 0 and "through" not in report.summary()
     assert len(report.added_nodes) == report.swap_outs + report.swap_ins
     assert grappler.estimate_peak(new_graph, model.fetches).gpu_peak_bytes + prepared.schedule.resident_bytes <= budget
     before = steps.run_steps(model.meta_graph, model.fetches, steps=2)

@@ -100,7 +100,10 @@ def sharing(ops, tensors, inputs, on_gpu, reads_constant=(), carried=(), stand_i
 
         BiasAdd(x) -> Relu -> [swap-out to the host process]
         GPU:       Relu writes over x's buffer
-        stand-in:  Relu's own buffer; x's is freed after the Relu"""
+        stand-in:  Relu's own buffer; x's is freed after the Relu
+
+    lms's own swap-outs send through an Identity on the producer's device (:mod:`lmscli.emit.rewriter`),
+    which forwards the buffer: the kernel writes over its input on the stand-in too."""
     shares = [OWN] * len(tensors)
     in_place = [False] * len(tensors)
     root: list[int] = list(range(len(tensors)))
