@@ -147,12 +147,45 @@ def applied(schedule: Schedule, chains, view: GraphView | None = None) -> Schedu
     ``view``, the op after it waits, and with it every op between the two that depends on it (the
     delays of :func:`later_branches`; a ``--serialize`` chain of one level's ops, whose inputs may
     be made in between), unless the first depends on it; without ``view`` the two stay as they are."""
+    order, changed, _skipped = _apply(schedule, chains, view)
+    return schedule.reordered(order) if changed else schedule
+
+
+def feasible(schedule: Schedule, chains, view: GraphView) -> tuple[tuple[str, ...], ...]:
+    """``chains`` without the pairs :func:`applied` leaves out because the first op depends on the
+    op after it, through the graph or the chains' edges before it (the control edge would close
+    a cycle), each chain split there. A plan keeps only these: QA's tf_keras net accumulating two
+    micro-batches' gradients got a plan whose rewrite had "a cycle through 166 node(s)", exit 1::
+
+        X waits for Y (a delay), Y depends on X through edges added before: left out"""
+    _order, _changed, skipped = _apply(schedule, chains, view)
+    if not skipped:
+        return tuple(tuple(c) for c in chains)
+    out: list[tuple[str, ...]] = []
+    for k, chain in enumerate(chains):
+        part = [chain[0]]
+        for j, then in enumerate(chain[1:]):
+            if (k, j) in skipped:
+                if len(part) > 1:
+                    out.append(tuple(part))
+                part = [then]
+            else:
+                part.append(then)
+        if len(part) > 1:
+            out.append(tuple(part))
+    return tuple(out)
+
+
+def _apply(schedule: Schedule, chains, view: GraphView | None):
+    """(order, changed, skipped): :func:`applied`'s order, whether it differs from the schedule's,
+    and the ``(chain, pair)`` indices of the pairs left out (a cycle)."""
+    skipped: set[tuple[int, int]] = set()
     order = list(range(len(schedule)))
     index = {name: k for k, name in enumerate(schedule.names)}
     added: dict[int, list[int]] = {}  # the chains' edges so far: op -> the ops it now waits for
     changed = False
-    for chain in chains:
-        for first, then in zip(chain, chain[1:]):
+    for c, chain in enumerate(chains):
+        for j, (first, then) in enumerate(zip(chain, chain[1:])):
             a, b = index.get(first), index.get(then)
             if a is None or b is None:
                 continue
@@ -163,11 +196,12 @@ def applied(schedule: Schedule, chains, view: GraphView | None = None) -> Schedu
                     changed = True
                 elif view is not None:
                     waited = _waited(schedule, view, index, order, at_b, at_a, added)
-                    if waited is None:
-                        continue  # (the first depends on the op after it: the edge would close a cycle)
+                    if waited is None:  # (the first depends on the op after it: the edge would close a cycle)
+                        skipped.add((c, j))
+                        continue
                     order, changed = waited, True
             added.setdefault(b, []).append(a)
-    return schedule.reordered(order) if changed else schedule
+    return order, changed, skipped
 
 
 def _waited(schedule: Schedule, view: GraphView, index: dict, order: list, at_b: int, at_a: int,

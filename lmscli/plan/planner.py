@@ -1124,14 +1124,17 @@ def _moves(prepared: Prepared, device: Device, options: TuneOptions, margin: int
     # (an op a delay involves is neither moved nor made to wait: a move across its delay could
     # close a cycle with it)
     held = frozenset(options.fixed) | frozenset(name for pair in delays for name in pair)
-    chains = delays + ordering.freeing_first(prepared.view, delayed, prepared.fused, held)
+    chains = ordering.feasible(prepared.schedule,
+                               delays + ordering.freeing_first(prepared.view, delayed, prepared.fused, held),
+                               prepared.view)
     if not chains:
         return None
     moved = ordering.applied(prepared.schedule, chains, prepared.view)
     after = simulate(moved, (), device.link_bandwidth, detail=False).peak_bytes
     if after > written:
         return None
-    return chains, moved, after, len(delays), len({x for _y, x in delays})
+    kept = [pair for pair in delays if pair in set(chains)]  # (feasible may leave some out)
+    return chains, moved, after, len(kept), len({x for _y, x in kept})
 
 
 def _reordered(prepared: Prepared, device: Device, options: TuneOptions, margin: int, log: list[str], chains,
