@@ -630,3 +630,24 @@ def test_a_tensor_read_on_both_sides_of_the_largest_op_comes_back_twice(tmp_path
     before = steps.run_steps(model.meta_graph, model.fetches, steps=2)
     after = steps.run_steps(new_graph, model.fetches, steps=2)
     assert steps.first_difference(before, after) is None
+
+
+def test_a_swap_in_lands_after_its_tensors_producer(samples):
+    """A stand-in plan's swap-in lands before the op after its trigger (:func:`planner.landed`).
+    A trigger may come before the tensor's producer (the stand-in's order reshaped a label late,
+    after the logits it was swapped from), and the op after the trigger was then the producer
+    itself, or one of its inputs: waiting for the swap-in of its own output, it closed a cycle (QA
+    r38: "the rewritten graph is invalid: the graph has a cycle through 93 node(s)", exit 1)."""
+    from lmscli.model.simulator import SimSwap, SwapIn
+    from lmscli.plan.candidates import Filters
+    from lmscli.plan.planner import _Context, landed
+
+    prepared = _prepared(samples, "cnn")
+    ctx = _Context(prepared, api.make_device(gpu_mem="1GiB"), Filters())
+    sched = ctx.schedule
+    cases = [t for t in sched.tensors if t.producer > 3 and t.consumers and t.consumers[-1] > t.producer + 4
+             and any(ctx.can_land_at[k] for k in range(t.producer - 2, t.producer + 1))]
+    assert cases
+    for t in cases:
+        (swap,) = landed(ctx, [SimSwap(t.id, (), (SwapIn((t.consumers[-1],), t.producer - 3),))])
+        assert swap.groups[0].landing == -1 or t.producer < swap.groups[0].landing < t.consumers[-1]

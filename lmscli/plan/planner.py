@@ -1397,16 +1397,24 @@ def landed(ctx: _Context, swaps) -> list:
     and not in others. An op that waits for the tensor to have landed (the next op after the
     trigger, when it comes before the first consumer and may take a control edge) fixes that
     place; constant-like ops and ops Grappler folds away are passed over (:func:`landing_safe`), up to
-    :data:`LANDING_REACH` positions. Swap-ins inside cond branches or loops are left as they are."""
+    :data:`LANDING_REACH` positions. Swap-ins inside cond branches or loops are left as they are.
+    The landing op comes after the tensor's producer too: a trigger may run before it (a label
+    reshaped late in the stand-in's order was swapped from the logits on), and the producer itself,
+    made to wait for the swap-in of its own output, closed a cycle (QA r38: a tf_keras net
+    accumulating two micro-batches, "a cycle through 93 node(s)", exit 1)::
+
+        trigger (logits) ... Reshape (producer) --> swap-out --> swap-in - - -> Reshape: refused"""
     out = []
     for swap in swaps:
         if swap.recompute:
             out.append(swap)
             continue
         groups = []
+        after = ctx.schedule.tensors[swap.tensor].producer
         for group in swap.groups:
             if not (ctx.tags[group.trigger] or any(ctx.tags[c] for c in group.consumers)):
-                k = next((k for k in range(group.trigger + 1, min(group.trigger + 1 + LANDING_REACH, group.consumers[0]))
+                first = max(group.trigger, after) + 1
+                k = next((k for k in range(first, min(first + LANDING_REACH, group.consumers[0]))
                           if ctx.can_land_at[k] and not ctx.tags[k]), None)
                 if k is not None:
                     group = replace(group, landing=k)
