@@ -433,9 +433,7 @@ def test_a_stand_in_step_is_planned_in_the_traced_order_that_needs_the_most():
 def test_a_chain_whose_first_op_depends_on_the_next_is_left_out_of_the_plan():
     """A control edge from an op to one it depends on closes a cycle: :func:`ordering.applied`
     leaves such a pair out of the order, and :func:`ordering.feasible` out of the chains a plan
-    keeps (QA: a tf_keras net accumulating two micro-batches' gradients got a plan whose rewrite had
-    "a cycle through 166 node(s)", exit 1; its delays and moves were applied, one left out, but
-    all were emitted). A chain is split at the pair left out."""
+    keeps (emitted, it would make the rewrite invalid). A chain is split at the pair left out."""
     prepared = api.prepare(api.load(str(SAMPLES / "cnn.meta")))
     sched, view = prepared.schedule, prepared.view
     index = {name: k for k, name in enumerate(sched.names)}

@@ -154,8 +154,8 @@ def applied(schedule: Schedule, chains, view: GraphView | None = None) -> Schedu
 def feasible(schedule: Schedule, chains, view: GraphView) -> tuple[tuple[str, ...], ...]:
     """``chains`` without the pairs :func:`applied` leaves out because the first op depends on the
     op after it, through the graph or the chains' edges before it (the control edge would close
-    a cycle), each chain split there. A plan keeps only these: QA's tf_keras net accumulating two
-    micro-batches' gradients got a plan whose rewrite had "a cycle through 166 node(s)", exit 1::
+    a cycle), each chain split there. A plan keeps only these: the order it was planned in did
+    not honour the others, and the rewrite would refuse their edges as a cycle::
 
         X waits for Y (a delay), Y depends on X through edges added before: left out"""
     _order, _changed, skipped = _apply(schedule, chains, view)
