@@ -484,7 +484,7 @@ def test_a_gpu_plans_swap_outs_leave_the_stand_in_when_its_sends_run(attention, 
     assert 0.85 * need <= p <= 1.20 * need, (p / MIB, need / MIB)
     run = run_graph(rewritten, meta, api.prepare(rewritten).optimized)
     device_only = run_peak_of(run, seen.scratch, tuple(n for n in seen.order if n not in swap_outs), seen.micros)
-    assert device_only < 0.7 * need
+    assert device_only < 0.7 * need, (device_only / MIB, p / MIB, need / MIB)
 
 
 def test_the_judges_runs_are_told_under_both_limits():
@@ -658,7 +658,10 @@ def test_a_swap_out_sends_through_an_identity_so_the_kernel_still_writes_over_it
     CNN's plan for 12 MiB needed 18 on the stand-in, as much as the original). lms's swap-outs read
     the tensor through an Identity on the GPU, which forwards the buffer: the same plan needs 15.
     Here: the rewrite fits at its prediction (plus 3%), where the same graph with its swap-outs
-    reading the ReLUs directly runs out of memory."""
+    reading the ReLUs directly runs out of memory. (The plan is made on lms's GPU model for speed,
+    and applied as a stand-in plan is: ``"stand_in": true``.)"""
+    from dataclasses import replace
+
     from lmscli.prove.realmem import predict
     from tests.conftest import v1_training_graph
 
@@ -676,7 +679,8 @@ def test_a_swap_out_sends_through_an_identity_so_the_kernel_still_writes_over_it
     result = api.tune(prepared, api.make_device(gpu_mem=budget, reserve=0.0))
     relus = [s for s in result.plan.swaps if s.tensor.startswith("Relu")]
     assert relus
-    rewritten, report = api.rewrite(prepared, result.plan)
+    assert api.rewrite(prepared, result.plan)[1].sent == 0  # (a GPU plan: see lmscli.emit.rewriter)
+    rewritten, report = api.rewrite(prepared, replace(result.plan, stand_in=True))
     assert report.sent == report.swap_outs
     nodes = {node.name: node for node in rewritten.graph_def.node}
     for swap in result.plan.swaps:

@@ -363,12 +363,8 @@ def test_everything_else_is_preserved(samples, tmp_path):
         rewired = [i for i in node.input if i not in kept]
         assert all(i in node.input for i in kept)
         assert len(new.input) - len(kept) >= len(rewired)
-    # per swap-out the Identity it sends from and the host copy; per swap-in the host copy and its Identity on the GPU
-    assert len(new_nodes) == (len(old.graph_def.node) + 2 * result.plan.predicted["swap_outs"]
-                              + 2 * result.plan.predicted["swap_ins"])
-    sends = [n for n in new_graph.graph_def.node if "-lms-send-" in n.name]
-    assert len(sends) == result.plan.predicted["swap_outs"]
-    assert all(n.op == "Identity" and n.device == new_nodes[n.input[0].split(":")[0]].device for n in sends)
+    # a swap-out, and per swap-in the host copy and its Identity on the GPU
+    assert len(new_nodes) == len(old.graph_def.node) + result.plan.predicted["swap_outs"] + 2 * result.plan.predicted["swap_ins"]
 
 
 def test_below_the_bound_of_the_original_order_grapplers_order_may_fit(samples):

@@ -84,11 +84,9 @@ def test_rewrite_trains_bit_identically(verified, rewritten, name):
     assert doc["steps"] == 2 and doc["loss"] == "loss:0" and doc["variables"] > 10
     report = rewritten(name)[2]
     assert doc["rewritten"]["swap_nodes"] == report.swap_outs + report.swap_ins
-    # each swap-in is read on the GPU through one Identity, each swap-out sends from one
-    landed, sent = report.swap_ins, report.swap_outs
-    assert report.landed == landed and report.sent == sent
-    assert (doc["rewritten"]["swap_nodes"] + doc["rewritten"]["recompute_nodes"] + landed + sent
-            == len(report.added_nodes) > 0)
+    landed = report.swap_ins  # each swap-in is read on the GPU through one Identity
+    assert report.sent == 0  # (a GPU plan's swap-outs read the tensor itself)
+    assert doc["rewritten"]["swap_nodes"] + doc["rewritten"]["recompute_nodes"] + landed == len(report.added_nodes) > 0
     assert doc["original"]["swap_nodes"] == doc["original"]["recompute_nodes"] == 0
 
 

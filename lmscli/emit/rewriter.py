@@ -16,8 +16,8 @@ is done. The swap-in holds the host copy; the host-to-device copy happens when t
 run, just before ``B`` needs it. Waiters (``- - -`` control edges from the swap-out) stop ops from
 allocating before a swap-out has finished. Serialized levels chain ops with control edges.
 
-In plans for TensorFlow's executor (``read_on_gpu``, lms's default) the swap-out reads ``t``
-through an Identity on ``P``'s device, ``P-lms-send-0``, which forwards ``t``'s buffer::
+In plans made for the stand-in (``stand_in``) the swap-out reads ``t`` through an Identity on
+``P``'s device, ``P-lms-send-0``, which forwards ``t``'s buffer::
 
     P --t--> P-lms-send-0 (Identity, GPU) --> P-lms-swapout-0 (Identity, host)
 
@@ -25,7 +25,9 @@ An output that another process reads (the stand-in's swap-out to its host proces
 allocated so that the network can send from it, so a kernel that would write it over its input
 (a ReLU over its bias add) allocated a buffer of its own while the input was still held: 4.5 MiB
 more at each swapped ReLU of a CNN, which needed 18 MiB after a plan for 12 and 15 with the
-Identity. On a GPU the Identity costs nothing.
+Identity. A GPU copying to its own process's memory reuses the buffer anyway, and there the
+Identity changed how Grappler's scheduler orders the optimized graph with oneDNN on (ResNet-50's
+swap plans at 75% and 80% of its peak were judged over budget): GPU plans go without it.
 
 A swap-in with a landing op ``L`` (stand-in plans) is read on the GPU through an Identity that
 ``L`` waits for, so the tensor lands before ``L`` allocates, in every run::
@@ -219,7 +221,7 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
         swapout = unique(beside(producer, f"swapout-{output}"))
         host = host_for(nodes[producer].device, host_device)
         source = _tensor_ref(producer, output)
-        if plan.read_on_gpu:  # (see the module docstring: the kernel keeps writing over its input)
+        if plan.read_on_gpu and plan.stand_in:  # (see the module docstring: the kernel keeps writing over its input)
             send = unique(beside(producer, f"send-{output}"))
             add_identity(send, source, dtype, nodes[producer].device)
             source = send

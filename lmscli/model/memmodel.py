@@ -102,8 +102,9 @@ def sharing(ops, tensors, inputs, on_gpu, reads_constant=(), carried=(), stand_i
         GPU:       Relu writes over x's buffer
         stand-in:  Relu's own buffer; x's is freed after the Relu
 
-    lms's own swap-outs send through an Identity on the producer's device (:mod:`lmscli.emit.rewriter`),
-    which forwards the buffer: the kernel writes over its input on the stand-in too."""
+    The swap-outs of lms's stand-in plans send through an Identity on the producer's device
+    (:mod:`lmscli.emit.rewriter`), which forwards the buffer: the kernel writes over its input on
+    the stand-in too."""
     shares = [OWN] * len(tensors)
     in_place = [False] * len(tensors)
     root: list[int] = list(range(len(tensors)))

@@ -368,8 +368,8 @@ def _executor_events(schedule, swap_of, start, end, out_start, out_end, in_start
 
     def not_in_place(tid: int, link: int) -> bool:
         """An in-place reuse the plan breaks: the input is swapped out (its transfer still holds
-        the buffer). (A swapped output is sent through an Identity, so on the stand-in too its
-        kernel writes over its input: see :mod:`lmscli.emit.rewriter`.)"""
+        the buffer). (A stand-in plan's swapped output is sent through an Identity, so on the
+        stand-in too its kernel writes over its input: see :mod:`lmscli.emit.rewriter`.)"""
         return link in swap_of and not swap_of[link].recompute
 
     buffer_of: dict[int, tuple] = {}  # tensor id -> ("t", root id) or ("in", tensor id, group)
