@@ -815,7 +815,7 @@ def _second_swap_in(ctx: _Context, chosen: dict, p: int, judged: _Judged) -> _Ch
         # p must run after the consumers before it: unless they are its ancestors, it waits for them.
         first = before[-1]
         pins = old.swap.pins
-        if ctx.walk_ancestors(p, keep=lambda q: q >= first, accept=lambda q: q == first) != first:
+        if ctx.walk_ancestors(p, keep=lambda q, f=first: q >= f, accept=lambda q, f=first: q == f) != first:
             if not (ctx.can_edge[first] and not ctx.absorbed[first] and ctx.can_edge[p] and not ctx.absorbed[p]
                     and not ctx.fusion_root[p] and not ctx.no_wait[p] and branch_safe(ctx.tags[first], ctx.tags[p])):
                 continue
