@@ -704,3 +704,21 @@ def test_a_swap_out_sends_through_an_identity_so_the_kernel_still_writes_over_it
     del direct.graph_def.node[:]
     direct.graph_def.node.extend(kept)
     assert not stand_in.run(direct, again.fetches, limit, runs=1).fits
+
+
+def test_a_stand_in_plan_is_judged_as_it_will_be_written(residual):
+    """The judge's real runs run the rewrite of a plan as it will be written: a plan made for the
+    stand-in says so from the planner on, so its swap-outs send through Identities in the judged
+    rewrites too (when only the finished plan said so, the judged rewrites went without them, their
+    ReLUs took buffers of their own, and the residual MLP of `make bench-real` had no plan at 52
+    or 66 MiB where one at 50 trains)."""
+    from lmscli.device import STAND_IN_LINK
+    from lmscli.emit.rewriter import emit
+    from lmscli.plan import planner
+
+    prepared = api.for_stand_in(api.prepare(api.load(str(residual))))
+    bound = api.analyze(prepared).lower_bound_bytes
+    limit = int(bound + 0.5 * (prepared.run_peak_bytes - bound)) // MIB * MIB
+    plan = planner.tune(prepared, api.make_device(gpu_mem=limit, link=STAND_IN_LINK)).plan
+    assert plan.stand_in and plan.swaps
+    assert emit(prepared, plan, force=True)[1].sent == len(plan.swaps)

@@ -1339,6 +1339,7 @@ def _tune_on(prepared: Prepared, device: Device, options: TuneOptions, margin: i
         host_stacks=host_stacks_from(host_stacks, prepared.view, sched),
         read_on_gpu=sched.memory_model == "executor",
         serialize=pins,
+        stand_in=prepared.stand_in is not None,  # (its rewrite, judged on the stand-in, sends through Identities)
     )
     if (plan.changes or serial) and options.serial_loops:
         plan = replace(plan, serial_loops=parallel_loops(prepared.view, sched.names))
