@@ -111,6 +111,20 @@ def v1_training_graph(path, learning_rate: float = 0.1):
             v1.enable_control_flow_v2()
 
 
+def six_conv_cnn(path):
+    """A CNN of six 3x3 convolutions and ReLUs (16x48x48 images, two strided), its loss a mean
+    square, plain gradient descent: written to ``path`` (returned). Each layer's input is read by
+    its filter gradient and by the ReLU gradient below, around the input gradient."""
+    with v1_training_graph(path) as (tf, v1, graph):
+        h = v1.placeholder(tf.float32, [16, 48, 48, 3], name="images")
+        for k, (width, stride) in enumerate(((24, 1), (32, 1), (32, 2), (48, 1), (48, 2), (64, 1))):
+            w = v1.get_variable(f"w{k}", [3, 3, h.shape[-1], width], use_resource=True,
+                                initializer=v1.glorot_uniform_initializer(seed=k))
+            h = tf.nn.relu(tf.nn.conv2d(h, w, stride, "SAME"))
+        graph.loss = tf.reduce_mean(tf.square(tf.reduce_mean(h, [1, 2])))
+    return path
+
+
 def trained_alike(steps, variables, feeds, output=lambda out: out) -> list:
     """Each of ``steps`` (callables) run on ``feeds`` (argument tuples), each from the variables'
     values as they are now: per step, (the bytes of ``output`` of each call, the bytes of the

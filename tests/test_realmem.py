@@ -663,17 +663,9 @@ def test_a_swap_out_sends_through_an_identity_so_the_kernel_still_writes_over_it
     from dataclasses import replace
 
     from lmscli.prove.realmem import predict
-    from tests.conftest import v1_training_graph
+    from tests.conftest import six_conv_cnn
 
-    path = tmp_path / "cnn.meta"
-    with v1_training_graph(path) as (tf, v1, graph):
-        h = v1.placeholder(tf.float32, [16, 48, 48, 3], name="images")
-        for k, (width, stride) in enumerate(((24, 1), (32, 1), (32, 2), (48, 1), (48, 2), (64, 1))):
-            w = v1.get_variable(f"w{k}", [3, 3, h.shape[-1], width], use_resource=True,
-                                initializer=v1.glorot_uniform_initializer(seed=k))
-            h = tf.nn.relu(tf.nn.conv2d(h, w, stride, "SAME"))
-        graph.loss = tf.reduce_mean(tf.square(tf.reduce_mean(h, [1, 2])))
-    model = api.load(str(path))
+    model = api.load(str(six_conv_cnn(tmp_path / "cnn.meta")))
     prepared = api.prepare(model)
     budget = int(api.analyze(prepared).lower_bound_bytes * 1.1)
     result = api.tune(prepared, api.make_device(gpu_mem=budget, reserve=0.0))
