@@ -446,28 +446,41 @@ def _gap_swap(ctx: _Context, cand: Candidate, p: int, result: SimResult,
             return None
         stall = transfer if ctx.waited_out else max(0, freed_at - starts[w])
         waiters, lo = (w,), w
-    v = far[0]
-    cap = ctx.cap(far)
-    earliest = near[-1] if near else t.producer
-    # Latest trigger whose end leaves the transfer time before v starts (no stall) ...
-    latest = min(bisect.bisect_right(ends, starts[v] - transfer) - 1, v - 1, cap - 1)
-    need = ctx.need(far)
-    trig = ctx.trigger(v, latest, max(earliest, p), need) if latest >= max(earliest, p) else None
-    if trig is None and latest >= max(earliest, p):
-        # No ancestor of v runs in that window (a weight update's inputs are all made early): any
-        # op before v in the schedule may start the transfer; its control edge cannot close a
-        # cycle, since the schedule is a topological order.
-        trig = ctx.any_trigger(latest, max(earliest, p))
-    if trig is None:
-        # ... else the latest trigger that still covers p, accepting a stall.
-        trig = ctx.trigger(v, min(v, cap) - 1, max(earliest, p), need)
-        if trig is None:
-            return None
-        stall += max(0, transfer - (starts[v] - ends[trig]))
+    found = _swap_in_trigger(ctx, far, max(near[-1] if near else t.producer, p), transfer, result)
+    if found is None:
+        return None
+    trig, late = found
+    stall += late
     if not (lo <= p <= trig):  # the swap-in buffer is allocated when the trigger ends
         return None
     swap = SimSwap(t.id, tuple(near), (SwapIn(tuple(far), trig),), waiters=waiters)
     return _Choice(swap, lo, trig, t.num_bytes, stall)
+
+
+def _swap_in_trigger(ctx: _Context, far: tuple[int, ...], earliest: int, transfer: int,
+                     result: SimResult) -> tuple[int, int] | None:
+    """``(trigger, stall)`` for a swap-in serving the consumers ``far``, its trigger at ``earliest``
+    or later: the latest whose end leaves the transfer time before the first of them starts (no
+    stall), else the latest that may trigger at all, accepting a stall; None when none may."""
+    starts, ends = result.starts, result.ends
+    v = far[0]
+    cap = ctx.cap(far)
+    # Latest trigger whose end leaves the transfer time before v starts (no stall) ...
+    latest = min(bisect.bisect_right(ends, starts[v] - transfer) - 1, v - 1, cap - 1)
+    need = ctx.need(far)
+    trig = ctx.trigger(v, latest, earliest, need) if latest >= earliest else None
+    if trig is None and latest >= earliest:
+        # No ancestor of v runs in that window (a weight update's inputs are all made early): any
+        # op before v in the schedule may start the transfer; its control edge cannot close a
+        # cycle, since the schedule is a topological order.
+        trig = ctx.any_trigger(latest, earliest)
+    if trig is not None:
+        return trig, 0
+    # ... else the latest trigger that still covers p, accepting a stall.
+    trig = ctx.trigger(v, min(v, cap) - 1, earliest, need)
+    if trig is None:
+        return None
+    return trig, max(0, transfer - (starts[v] - ends[trig]))
 
 
 def _gap_recompute(ctx: _Context, cand: Candidate, p: int, result: SimResult, chosen: dict) -> _Choice | None:
@@ -779,7 +792,6 @@ def _second_swap_in(ctx: _Context, chosen: dict, p: int, judged: _Judged) -> _Ch
 
     The largest tensor freed at ``p`` is chosen (the least stall among equals)."""
     result, instant = judged.result, judged.instant
-    executor = ctx.schedule.memory_model == "executor"
     best = None
     for tid in ctx.live_candidates(p):
         old = chosen.get(tid)
@@ -793,24 +805,12 @@ def _second_swap_in(ctx: _Context, chosen: dict, p: int, judged: _Judged) -> _Ch
         before = tuple(c for c in group.consumers if c < p)
         after = tuple(c for c in group.consumers if c > p)
         transfer = transfer_us(ctx.schedule.tensors[tid].num_bytes, ctx.device.link_bandwidth)
-        v, cap, need = after[0], ctx.cap(after), ctx.need(after)
-        latest = min(bisect.bisect_right(result.ends, result.starts[v] - transfer) - 1, v - 1, cap - 1)
-        trig, stall = None, 0
-        if latest >= p:
-            trig = ctx.trigger(v, latest, p, need)
-            if trig is None:
-                trig = ctx.any_trigger(latest, p)
-        if trig is None:
-            trig = ctx.trigger(v, min(v, cap) - 1, p, need)
-            if trig is None:
-                continue
-            stall = max(0, transfer - (result.starts[v] - result.ends[trig]))
+        found = _swap_in_trigger(ctx, after, p, transfer, result)
+        if found is None:
+            continue
+        trig, stall = found
         # With instant transfers too, the first swap-in is gone when p starts and the second not yet back.
-        freed, back = instant.ends[before[-1]], instant.ends[trig]
-        if executor:
-            if not ((instant.starts[p], p) > (freed, before[-1]) and (instant.ends[p], p) < (back, trig)):
-                continue
-        elif not (instant.starts[p] > freed and instant.ends[p] < back):
+        if not _off_during(ctx, instant, p, before[-1], trig):
             continue
         # p must run after the consumers before it: unless they are its ancestors, it waits for them.
         first = before[-1]
@@ -864,10 +864,17 @@ def _helps_instantly(ctx: _Context, swap: SimSwap, p: int, instant: SimResult) -
     swap-in back after the convolution (a v1 cond's gradient branch, QA: no plan at twice the
     lower bound); Grappler's accounting lets an instant's ops hold their tensors at once."""
     t = ctx.schedule.tensors[swap.tensor]
-    last_use = max((t.producer,) + swap.near)
+    return _off_during(ctx, instant, p, max((t.producer,) + swap.near),
+                       swap.groups[0].trigger if swap.groups else None)
+
+
+def _off_during(ctx: _Context, instant: SimResult, p: int, last_use: int, trigger: int | None) -> bool:
+    """With instant transfers, is a tensor last used at ``last_use`` and brought back when
+    ``trigger`` ends (None: never) off the GPU while ``p`` runs? (see :func:`_helps_instantly`)"""
     freed = instant.ends[last_use]
-    trigger = swap.groups[0].trigger if swap.groups else len(ctx.schedule)
-    back = instant.ends[trigger] if swap.groups else float("inf")
+    back = instant.ends[trigger] if trigger is not None else float("inf")
+    if trigger is None:
+        trigger = len(ctx.schedule)
     if ctx.schedule.memory_model == "executor":
         return (instant.starts[p], p) > (freed, last_use) and (instant.ends[p], p) < (back, trigger)
     return instant.starts[p] > freed and instant.ends[p] < back
@@ -1133,7 +1140,8 @@ def _moves(prepared: Prepared, device: Device, options: TuneOptions, margin: int
     after = simulate(moved, (), device.link_bandwidth, detail=False).peak_bytes
     if after > written:
         return None
-    kept = [pair for pair in delays if pair in set(chains)]  # (feasible may leave some out)
+    in_chains = set(chains)
+    kept = [pair for pair in delays if pair in in_chains]  # (feasible may leave some out)
     return chains, moved, after, len(kept), len({x for _y, x in kept})
 
 
