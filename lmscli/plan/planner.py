@@ -1710,7 +1710,9 @@ def _stuck_message(ctx: _Context, stuck: _Stuck, strategy: str, budget_act: int,
                if ctx.prepared.stand_in is not None and planned < ctx.device.budget
                else f"the graph TensorFlow runs needs {more} than the graph as written")
         under += f" ({why}, so it was planned as {format_size(planned)} for the graph as written)"
-        needs += " as written"
+        # (the need beside the target it missed: "under 9 MiB ... still needs 6.99 MiB" alone read
+        # as a contradiction, QA r38 F6)
+        needs += f" as written, over the {format_size(planned)} it was planned for"
     return (f"no {kind} plan found under {under}: at "
             f"{sched.names[stuck.position]}{where} {needs} (lower bound {format_size(lb)}){guard}; "
             "try a larger --gpu-mem or a smaller batch")
