@@ -133,9 +133,10 @@ def test_a_reordered_plan_trains_bit_identically_where_the_original_runs_out_of_
     without the moves), then `lms verify --gpu-mem 12MiB`: the original runs out of memory, the
     rewrite, with its control edges, trains bit-identically."""
     out = tmp_path / "unet_12.meta"
-    done = invoke(runner, "rewrite", SAMPLES / "unet3d.meta", out, "--gpu-mem", "12MiB", "--stand-in", "--json")
+    done = invoke(runner, "rewrite", SAMPLES / "unet3d.meta", out, "--gpu-mem", "12MiB", "--stand-in", "--json", "-v")
     assert done.exit_code == 0, done.output
-    assert json.loads(done.output)["plan"]["serialize"]
+    assert json.loads(done.stdout)["plan"]["serialize"]
+    assert "[LMS] round 1: a plan of " in done.stderr and " run(s) on the stand-in" in done.stderr  # (-v)
     proof = invoke(runner, "verify", SAMPLES / "unet3d.meta", out, "--gpu-mem", "12MiB")
     assert proof.exit_code == 0, proof.output
     assert "original: out of memory at 12.00 MiB; rewritten: trains at 12.00 MiB, bit-identical" in proof.output

@@ -138,6 +138,13 @@ def test_json_tune_schema(tuned):
         assert all(g["trigger"] in doc["op_levels"] for g in swap["swap_ins"])
 
 
+def test_verbose_says_what_each_judged_round_found(tuned):
+    """-v: a line per round of the tune loop's judge, with the plan's size and the judge's figure
+    (QA: the stand-in's search showed nothing of its rounds)."""
+    assert re.search(r"\[LMS\] round 1: a plan of \d+ swap\(s\).* for [0-9.]+ [KM]iB: the graph TensorFlow runs needs",
+                     tuned.stderr), tuned.stderr
+
+
 def test_json_rewrite_schema(rewritten, out):
     doc = check_document(rewritten, "lms.rewrite")
     check_plan(doc["plan"])

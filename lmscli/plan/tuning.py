@@ -217,7 +217,19 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
       it does not, the budget is tightened by the overshoot.
 
     ``check=False`` skips the estimate, ``guard=False`` the guard. Grappler's figures are stored in
-    ``plan.grappler``, with the tensors the guard left alone."""
+    ``plan.grappler``, with the tensors the guard left alone. Each judged round leaves an ``[LMS]``
+    line in the result's log, or in the NoFitError's when nothing fits (``-v``)."""
+    said: list[str] = []
+    try:
+        return _checked_tune(prepared, device, options, check, host_device, guard, said)
+    except NoFitError as exc:
+        exc.log = tuple(exc.log) + tuple(line for line in said if line not in exc.log)
+        raise
+
+
+def _checked_tune(prepared: Prepared, device: Device, options: TuneOptions, check: bool, host_device: str,
+                  guard: bool, said: list) -> TuneResult:
+    """:func:`checked_tune`'s loop; ``said`` receives a line per judged round."""
     from lmscli.plan import optguard
     from lmscli.plan.planner import tune as plan_tune
 
@@ -246,7 +258,7 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
     estimate_rounds = guard_rounds = 0
 
     def noted(result):
-        lines = []
+        lines = list(said)
         if forbidden:
             lines.append(f"[LMS] left {len(forbidden)} tensor(s) unswapped: a swap node there changes what Grappler's "
                          f"optimizations do to the graph, and with it the last bits of the results "
@@ -341,6 +353,7 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
                 if step is not None and search.found and timing.out_of_time():
                     step = None  # refining further would pass --time-limit
                     search.timed_out = True
+                said.append(_round_line(rounds, result, peak, device.budget, verdict, step))
                 if step is not None and not result.plan.changes:
                     # Nothing was planned (the graph as written fits the planning budget): plan for
                     # less than the graph as written needs, or the next round plans nothing again.
@@ -388,6 +401,23 @@ def checked_tune(prepared: Prepared, device: Device, options: TuneOptions = Tune
     raise NoFitError(f"the simulator found plans, but Grappler's estimate stayed over the budget after "
                      f"{GRAPPLER_ROUNDS} rounds (last {format_size(figures['peak_bytes'])} > {format_size(device.budget)}); "
                      "try a slightly larger --gpu-mem", budget_bytes=device.budget)
+
+
+def _round_line(rounds: int, result: TuneResult, peak: int, budget: int, verdict, step: int | None) -> str:
+    """What one judged round of the tune loop found, for ``-v`` (QA: the stand-in's search showed
+    nothing of its rounds): the plan, its judge's figure or the stand-in's runs, and the next
+    planning target."""
+    plan = result.plan
+    made = f"{len(plan.swaps)} swap(s)" + (f" and {len(plan.recomputes)} recomputation(s)" if plan.recomputes else "")
+    if verdict is not None:
+        found = (f"trained in {verdict.runs} run(s) on the stand-in" if verdict.fits
+                 else f"failed on the stand-in: {verdict.message}")
+    else:
+        found = f"the graph TensorFlow runs needs {format_size(peak)}"
+    line = f"[LMS] round {rounds}: a plan of {made} for {format_size(budget)}: {found}"
+    if step is not None:
+        line += f"; planning the graph as written for {format_size(budget - step)} next"
+    return line
 
 
 REGION_STEPS = 16  # planning margins tried up from the judge's while the region model says a plan does not fit
