@@ -196,6 +196,39 @@ def _lstm_loop(path, batch=32, steps=48, hidden=192, features=32, parallel_itera
     return path
 
 
+def test_a_loop_variable_keeps_its_shape_unless_it_changes_it(tmp_path):
+    """TensorFlow's importer leaves a loop variable's shape unknown (it meets the ``Merge`` before
+    its back edge); lms gives it the shape it enters with, as ``tf.while_loop``'s shape invariant
+    does, unless the back edge brings another: a variable that grows keeps its unknown dimension
+    (never guessed), and so does what is computed from it."""
+    from lmscli.graph import shapes
+
+    with v1_training_graph(tmp_path / "grow.meta") as (tf, v1, graph):
+        x = v1.placeholder(tf.float32, [2, 4], name="x")
+        w = v1.get_variable("w", [4, 4], initializer=v1.glorot_uniform_initializer(seed=0), use_resource=True)
+
+        def body(i, h, grown):
+            h = tf.tanh(tf.matmul(h, w))
+            return i + 1, h, tf.concat([grown, h], 0)
+
+        _, h, grown = v1.while_loop(lambda i, *_: i < 3, body, [tf.constant(0), x, x],
+                                    shape_invariants=[tf.TensorShape([]), tf.TensorShape([2, 4]),
+                                                      tf.TensorShape([None, 4])])
+        graph.loss = tf.reduce_mean(h) + tf.reduce_mean(grown)
+    graph_def = api.load(str(tmp_path / "grow.meta")).graph_def
+    for node in graph_def.node:  # (as a graph written without them: Python's loops record their shapes)
+        if "_output_shapes" in node.attr:
+            del node.attr["_output_shapes"]
+    view = GraphView(graph_def)
+    before, after = shapes.imported(graph_def), shapes.infer(graph_def)
+    merges = ["while/Merge", "while/Merge_1", "while/Merge_2"]  # the counter, h, grown
+    assert all(view.ops[view.index[m]] == "Merge" and before[m][0].shape is None for m in merges)
+    assert [after[m][0].shape for m in merges[:2]] == [(), (2, 4)]
+    assert after["while/Merge_2"][0].shape in (None, (None, 4))
+    assert after["while/Tanh"][0].shape == (2, 4) and before["while/Tanh"][0].shape != (2, 4)
+    assert after["while/concat"][0].shape in (None, (None, 4))
+
+
 def test_loops_are_counted_with_their_trip_counts(samples):
     from lmscli.model import loops
     from lmscli.model.schedule import STORAGE_OUTPUT

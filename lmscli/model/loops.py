@@ -438,10 +438,31 @@ def _stacks(view: GraphView) -> dict[int, tuple[list[int], list[int]]]:
         op = view.ops[i]
         if (op in PUSH_OPS or op in POP_OPS) and view.data_inputs[i]:
             # (a TensorList is a value: the gradient loop pops the list the forward loop's Exit gives)
-            stack = _source(view, view.data_inputs[i][0][0], through_exit=op.startswith("TensorList"))
+            stack = (_list(view, view.data_inputs[i][0][0]) if op.startswith("TensorList")
+                     else _source(view, view.data_inputs[i][0][0]))
             pushes, pops = out.setdefault(stack, ([], []))
             (pushes if op in PUSH_OPS else pops).append(i)
     return out
+
+
+def _list(view: GraphView, node: int) -> int:
+    """The TensorList ``node`` passes on: the ``EmptyTensorList`` that made it or, when that one
+    makes the first value of several lists, the ``Enter`` by which this one entered its first loop.
+    Grappler's optimizations make one of a loop's identical ``EmptyTensorList`` ops (the graph a
+    Session runs: a tf_keras LSTM's 14 accumulators came from one), and a list is a value: each
+    loop variable is a list of its own::
+
+        EmptyTensorList -> Enter a -> ... PushBack(h) ... Exit -> Enter -> ... PopBack   list "a"
+                        -> Enter b -> ... PushBack(c) ... Exit -> Enter -> ... PopBack   list "b"
+    """
+    seen, enter = set(), None
+    while view.ops[node] in PASS_THROUGH | {"Exit"} and view.data_inputs[node] and node not in seen:
+        seen.add(node)
+        if view.ops[node] in ("Enter", "RefEnter"):
+            enter = node
+        node = view.data_inputs[node][0][0]
+    shared = sum(1 for dst, _port, _output in view.consumers[node] if view.ops[dst] in PASS_THROUGH) > 1
+    return enter if enter is not None and shared else node
 
 
 def _arrays(view: GraphView) -> dict[int, tuple[list[int], list[int]]]:
@@ -615,6 +636,15 @@ def _invariant(view: GraphView, merge: int) -> tuple[int, int] | None:
             return None
         node = src
     return None
+
+
+def value_before_the_step(view: GraphView, node: int, output: int):
+    """The value of a scalar tensor made outside every loop, as :class:`_Evaluator` computes it
+    (a constant, or run from the placeholders' static shapes); None when it cannot be known."""
+    if view.frames[node]:
+        return None
+    evaluator = _Evaluator(view)
+    return evaluator._const(node) if view.ops[node] == "Const" else evaluator._run(node, output)
 
 
 class _Evaluator:
