@@ -89,16 +89,20 @@ def tiny_graph_def():
 
 
 @contextlib.contextmanager
-def v1_training_graph(path, learning_rate: float = 0.1):
-    """Build a training graph with control flow v1 (Switch/Merge, Enter/Exit, gradient stacks) and
-    export it to ``path``: yields ``(tf, v1, graph)``; the body sets ``graph.loss`` (a tensor),
-    and plain gradient descent on it becomes the ``train_op``. The v2 setting is restored."""
+def v1_training_graph(path, learning_rate: float = 0.1, control_flow_v2: bool = False):
+    """Build a training graph with control flow v1 (Switch/Merge, Enter/Exit, gradient stacks; with
+    ``control_flow_v2``, functional While and If ops, TensorList accumulators) and export it to
+    ``path``: yields ``(tf, v1, graph)``; the body sets ``graph.loss`` (a tensor), and plain
+    gradient descent on it becomes the ``train_op``. The v2 setting is restored."""
     from lmscli.tfimport import tensorflow
 
     tf = tensorflow()
     v1 = tf.compat.v1
     was = v1.control_flow_v2_enabled()
-    v1.disable_control_flow_v2()
+    if control_flow_v2:
+        v1.enable_control_flow_v2()
+    else:
+        v1.disable_control_flow_v2()
     try:
         graph = tf.Graph()
         with graph.as_default():
@@ -109,6 +113,8 @@ def v1_training_graph(path, learning_rate: float = 0.1):
     finally:
         if was:
             v1.enable_control_flow_v2()
+        else:
+            v1.disable_control_flow_v2()
 
 
 def six_conv_cnn(path):

@@ -50,8 +50,9 @@ remapper fuses no op with a control edge, and the clones must fuse as the origin
 update a variable the clones read wait for a ``done`` Identity of the last clone.
 
 A gradient stack kept on the host (:mod:`lmscli.plan.hoststacks`) is moved, not copied: its
-``StackV2`` and the pushes, pops and closes using its handle get the host device and lose their
-``_class`` colocation, so TensorFlow copies each pushed value out and each popped value back::
+``StackV2`` and the pushes, pops and closes using its handle (a TensorList accumulator: every op
+the list passes through) get the host device and lose their ``_class`` colocation, so TensorFlow
+copies each pushed value out and each popped value back::
 
     before                                   after
     rnn/loop/Tanh --> .../StackPushV2        rnn/loop/Tanh --> .../StackPushV2 (host)
@@ -387,17 +388,21 @@ def _check_loop_entries(after: GraphView) -> None:
 
 
 def _to_host(nodes: dict, stack, host_device: str) -> None:
-    """Place a gradient stack and the ops using its handle on the host (no ``_class``)."""
-    from lmscli.plan.hoststacks import HANDLE_USERS, STACK_OPS
+    """Place a gradient stack and the ops using its handle on the host (no ``_class``); a
+    TensorList accumulator with every op its value passes through."""
+    from lmscli.plan.hoststacks import HANDLE_USERS, LIST_MAKERS, LIST_USERS, PASS_THROUGH, STACK_OPS
 
     names = (stack.stack, *stack.ops)
+    maker = nodes.get(stack.stack)
+    movable = (LIST_MAKERS | LIST_USERS | PASS_THROUGH if maker is not None and maker.op in LIST_MAKERS
+               else STACK_OPS | HANDLE_USERS)
     for name in names:
         node = nodes.get(name)
         if node is None:
             raise PlanError(f"the plan keeps stack {stack.stack!r} on the host, but the graph has no node {name!r}")
-        if node.op not in STACK_OPS | HANDLE_USERS:
+        if node.op not in movable:
             raise PlanError(f"the plan moves {name!r} to the host with stack {stack.stack!r}, but it is a "
-                            f"{node.op}, not a stack op")
+                            f"{node.op}, not an op of that stack")
     host = host_for(nodes[stack.stack].device, host_device)
     for name in names:
         node = nodes[name]
