@@ -246,7 +246,9 @@ def _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, o
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("graphs", nargs=-1, required=True, type=click.Path())
-@click.option("--batch-size", type=click.IntRange(min=1), help="Set unknown batch dimensions to N.")
+@click.option("--batch-size", type=click.IntRange(min=1),
+              help="Set unknown batch dimensions to N (default: the size a rewrite given after its original was "
+                   "made with).")
 @click.option("--fetch", "fetch", metavar="NAME[,NAME]",
               help="Ops a training step runs (default: the first graph's train_op collection, else its sinks; a graph "
                    "without those ops runs its own).")
@@ -265,12 +267,17 @@ def measure(graphs, batch_size, fetch, runs, no_tf_optimize, as_json, no_color):
     """
     from lmscli import api
     from lmscli.prove import realmem
+    from lmscli.prove.steps import rewrite_batch_size
 
     fetches = fetch.split(",") if fetch else None
     with _progress(as_json, no_color) as progress:
         with progress.phase("loading"):
             models = [api.load(graphs[0], fetch=fetches)]
             models += [_load_like(path, models[0], fetches) for path in graphs[1:]]
+        # A rewrite made with --batch-size N is measured at N, and its original with it (QA: the
+        # original was measured at batch 1 beside its rewrite at 32, 2 MiB against 16).
+        for other in models[1:]:
+            batch_size = rewrite_batch_size(models[0].meta_graph, other.meta_graph, batch_size)
         with progress.phase("measuring on the stand-in GPU"):
             needs = realmem.measure_need(models, batch_size=batch_size, runs=runs, optimize=not no_tf_optimize)
     if as_json:

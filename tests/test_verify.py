@@ -370,6 +370,16 @@ def test_a_rewrite_made_for_a_batch_size_is_verified_at_it(samples, tmp_path, ru
     assert json.loads(checked.stdout)["identical"]
     wrong = invoke(runner, "verify", samples / "unknown_batch.meta", out, "--batch-size", "4")
     assert wrong.exit_code == 1 and "made for batch size 8" in wrong.output
+    # `lms measure ORIGINAL REWRITE` measures both at the rewrite's size too (QA: the original at
+    # batch 1 beside its rewrite at 32), and refuses another one.
+    from lmscli.prove import realmem
+
+    asked = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(realmem, "measure_need", lambda models, batch_size=None, **_: asked.append(batch_size) or ())
+        assert invoke(runner, "measure", samples / "unknown_batch.meta", out, "--json").exit_code == 0
+        wrong = invoke(runner, "measure", samples / "unknown_batch.meta", out, "--batch-size", "4")
+    assert asked == [8] and wrong.exit_code == 1 and "made for batch size 8" in wrong.output
 
 
 def test_an_unused_placeholder_of_unknown_size_needs_no_batch_size(tmp_path):
