@@ -1712,7 +1712,8 @@ def _stuck_message(ctx: _Context, stuck: _Stuck, strategy: str, budget_act: int,
         under += f" ({why}, so it was planned as {format_size(planned)} for the graph as written)"
         # (the need beside the target it missed: "under 9 MiB ... still needs 6.99 MiB" alone read
         # as a contradiction, QA r38 F6)
-        needs += f" as written, over the {format_size(planned)} it was planned for"
+        over = "just over" if format_size(stuck.need_bytes) == format_size(planned) else "over"
+        needs += f" as written, {over} the {format_size(planned)} it was planned for"
     return (f"no {kind} plan found under {under}: at "
             f"{sched.names[stuck.position]}{where} {needs} (lower bound {format_size(lb)}){guard}; "
             "try a larger --gpu-mem or a smaller batch")
