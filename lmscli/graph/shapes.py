@@ -144,11 +144,11 @@ def _loop_pins(graph_def, tensors) -> dict[str, tuple]:
 
     An ``Enter`` takes the shape of the value it passes in; a ``Merge`` its ``Enter``'s shape, the
     shape invariant of a ``tf.while_loop``, when its ``NextIteration`` input is unknown or has that
-    shape (a loop whose variable changes shape is left alone: a pin its back edge then contradicts is
-    dropped, and the pins made from it); a ``TensorListPopBack``'s element
-    the shape every push to its list has; a ``TensorListStack`` as many elements as the
-    ``TensorListReserve`` that made its list holds. Each import with the pins may know more (what follows a
-    pinned ``Merge``), and the next pins more."""
+    shape (a loop whose variable changes shape is left alone: a pin its back edge then contradicts
+    is dropped, and the pins made from it); a ``TensorListPopBack``'s element the shape every push
+    to its list has; a ``TensorListStack`` as many elements as the ``TensorListReserve`` that made
+    its list holds. Each import with the pins may know more (what follows a pinned ``Merge``), and
+    the next pins more."""
     from lmscli.graph.graphview import GraphView
 
     if not any(node.op in ("Enter", "RefEnter", "TensorListPopBack", "TensorListStack") for node in graph_def.node):

@@ -128,8 +128,9 @@ def hostable(view: GraphView, leave_out=frozenset()) -> tuple[Hostable, ...]:
                                 for i in passers):
             continue
         ops = tuple(sorted(stacks)) + tuple(sorted(users))
+        moving = set(ops)
         if (any(tags[i] for i in ops) or any(view.on_host(i) for i in ops)
-                or any(view.names[i] in leave_out or colocated.get(view.names[i], set()) - set(ops) for i in ops)):
+                or any(view.names[i] in leave_out or colocated.get(view.names[i], set()) - moving for i in ops)):
             continue
         pushes = tuple(sorted(p for st in stacks for p in members[st][0]))
         pops = tuple(sorted(p for st in stacks for p in members[st][1]))
