@@ -14,7 +14,7 @@ Beside each measured limit: what lms predicts for it (the executor model of the 
 runs, with the CPU scratch) and Grappler's static estimate (plus variables). The lower bound is
 that of the executor model with scratch. Writes bench/REAL-MEMORY.md and bench/out/realmem.json.
 
-    python bench/realmem.py            # the graphs below (about 30 minutes on 2 cores)
+    python bench/realmem.py            # the graphs below (about 55 minutes on 2 cores)
     python bench/realmem.py --quick    # the residual MLP only (a few minutes)
     python bench/realmem.py --share    # ResNet-50 384² b2 alone (bench/REAL-MEMORY-SHARE.md)
 
