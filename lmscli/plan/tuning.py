@@ -408,7 +408,9 @@ def _round_line(rounds: int, result: TuneResult, peak: int, budget: int, verdict
     nothing of its rounds): the plan, its judge's figure or the stand-in's runs, and the next
     planning target."""
     plan = result.plan
-    made = f"{len(plan.swaps)} swap(s)" + (f" and {len(plan.recomputes)} recomputation(s)" if plan.recomputes else "")
+    made = ", ".join([f"{len(plan.swaps)} swap(s)"]
+                     + ([f"{len(plan.recomputes)} recomputation(s)"] if plan.recomputes else [])
+                     + ([f"{len(plan.host_stacks)} loop stack(s) on the host"] if plan.host_stacks else []))
     if verdict is not None:
         found = (f"trained in {verdict.runs} run(s) on the stand-in" if verdict.fits
                  else f"failed on the stand-in: {verdict.message}")
