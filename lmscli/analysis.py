@@ -38,6 +38,7 @@ class Prepared:
     schedules: tuple = ()  # one Schedule per GPU the step uses; ``schedule`` is the one needing most
     optimized: object = None  # the GraphDef Grappler's default optimizations make (None: refused)
     scratch: object = None  # node name -> kernel scratch bytes counted in the schedules (the CPU stand-in's)
+    scratch_first: frozenset = frozenset()  # ops of ``scratch`` that take it before their outputs
     trace: object = None  # Grappler's trace the schedules were built from (None: roofline model)
     observed_order: tuple = ()  # an execution order observed in a real run, followed by the schedules
     observed_micros: object = None  # op times observed in that run (node name -> microseconds)
@@ -57,15 +58,19 @@ class Prepared:
             return None
         return run_peak(self.model, with_graph_def(self.model.meta_graph, self.graph_def), self.optimized,
                         self.scratch, self.observed_order, self.observed_micros, known=self.view.tensor_facts(),
-                        orders=self.observed_orders)
+                        orders=self.observed_orders, scratch_first=self.scratch_first)
 
-    def with_scratch(self, scratch: dict) -> "Prepared":
-        """The same step with each op's kernel scratch (node name -> bytes) counted while it runs."""
-        schedules = tuple(s.with_scratch(scratch) for s in self.schedules)
-        chosen = next((s for s in schedules if s.device == self.schedule.device), self.schedule.with_scratch(scratch))
-        return replace(self, schedule=chosen, schedules=schedules, scratch=dict(scratch))
+    def with_scratch(self, scratch: dict, first=frozenset()) -> "Prepared":
+        """The same step with each op's kernel scratch (node name -> bytes) counted while it runs,
+        taken before the op's outputs by the ops named in ``first``."""
+        schedules = tuple(s.with_scratch(scratch, first) for s in self.schedules)
+        chosen = next((s for s in schedules if s.device == self.schedule.device),
+                      self.schedule.with_scratch(scratch, first))
+        return replace(self, schedule=chosen, schedules=schedules, scratch=dict(scratch),
+                       scratch_first=frozenset(first))
 
-    def observed(self, order, scratch: dict | None = None, micros: dict | None = None, orders=()) -> "Prepared":
+    def observed(self, order, scratch: dict | None = None, micros: dict | None = None, orders=(),
+                 scratch_first=frozenset()) -> "Prepared":
         """The same step in an execution order observed in a real run on the stand-in (op names; ops
         the run did not show run as soon as they are ready), with kernel scratch and op times if
         given, and the stand-in's executor (:meth:`Schedule.on_stand_in`). Loop iterations
@@ -75,7 +80,7 @@ class Prepared:
         if trace is None:
             schedules = tuple(s.on_stand_in() for s in self.schedules)
             chosen = self.schedule.on_stand_in()
-            return replace(self, schedule=chosen, schedules=schedules).with_scratch(scratch or {})
+            return replace(self, schedule=chosen, schedules=schedules).with_scratch(scratch or {}, scratch_first)
         from lmscli.model.loops import running_ahead
 
         schedules = tuple(s.without(self.dead | self.untaken).on_stand_in() for s in build_schedules(
@@ -84,7 +89,7 @@ class Prepared:
         chosen = next((s for s in schedules if s.device == self.schedule.device), schedules[0])
         seen = replace(self, schedule=chosen, schedules=schedules, observed_order=tuple(order),
                        observed_micros=dict(micros or {}), observed_orders=tuple(orders))
-        return seen.with_scratch(scratch or {})
+        return seen.with_scratch(scratch or {}, scratch_first)
 
     def grappler(self, meta_graph):
         """What Grappler's default optimizations make of ``meta_graph`` (this step, or a rewrite of
@@ -246,14 +251,14 @@ def _filled(tensors: dict, known: dict) -> dict:
 
 def run_peak(model: Model, meta_graph, optimized, scratch: dict | None = None, order=(),
              micros: dict | None = None, link_bandwidth: float = float("inf"), known: dict | None = None,
-             orders=()) -> int | None:
+             orders=(), scratch_first=frozenset()) -> int | None:
     """The executor model's peak of the graph a Session really runs: ``optimized``, what
     Grappler's default optimizations make of ``meta_graph`` (fusions, folded constants and the
     order they allow change the step's memory: on an attention model it fell by a third); for the
     stand-in (``order`` or ``scratch`` observed on it) with the BFC allocator's fragmentation. The
     largest over the step's GPUs, resident bytes included; None when it cannot be scheduled."""
     seen = run_graph(model, meta_graph, optimized, known)
-    return None if seen is None else run_peak_of(seen, scratch, order, micros, link_bandwidth, orders)
+    return None if seen is None else run_peak_of(seen, scratch, order, micros, link_bandwidth, orders, scratch_first)
 
 
 def run_graph(model: Model, meta_graph, optimized, known: dict | None = None) -> Prepared | None:
@@ -306,12 +311,12 @@ def _importable(optimized):
 
 
 def run_peak_of(seen: Prepared, scratch: dict | None = None, order=(), micros: dict | None = None,
-                link_bandwidth: float = float("inf"), orders=()) -> int:
+                link_bandwidth: float = float("inf"), orders=(), scratch_first=frozenset()) -> int:
     """:func:`run_peak` of a graph :func:`run_graph` prepared."""
     if order:
         seen = seen.observed(order, micros=micros, orders=orders)
     if scratch:
-        seen = seen.with_scratch(scratch)
+        seen = seen.with_scratch(scratch, scratch_first)
     # On the stand-in (an observed order or kernel scratch), the allocator's fragmentation too; a
     # GPU plan leaves it to --reserve, with cuDNN's workspaces. Its transfers are gRPC's.
     stand_in = bool(order or scratch)

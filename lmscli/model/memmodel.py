@@ -54,6 +54,11 @@ IN_PLACE_OPS = frozenset({
     "SoftplusGrad", "SoftsignGrad", "BiasAdd", "BiasAddV1", "Select", "SelectV2", "ClipByValue", "Cos", "Sin",
     "Gelu", "GeluGrad",
 })
+# CPU kernels (the stand-in's) that write their output over their first input, the forward
+# pass's input, when they are its last reader (``forward_input_or_allocate_output({0}, ...)`` in
+# TensorFlow's maxpooling_op.cc; a GPU runs cuDNN's pooling gradient instead). Seen on an Inception
+# block: the pooling gradient of a 2.75 MiB concatenation allocated nothing for its output.
+CPU_FORWARDING_OPS = frozenset({"MaxPoolGrad"})
 ALIGNMENT = 256  # the BFC allocator's rounding
 
 OWN = -1  # a tensor with a buffer of its own
@@ -137,10 +142,15 @@ def sharing(ops, tensors, inputs, on_gpu, reads_constant=(), carried=(), stand_i
             shares[t.id] = src
             last_use[r] = max(last_use[r], last_use[t.id])
             continue
-        if op in IN_PLACE_OPS and t.output == 0 and not (stand_in and any(not on_gpu[c] for c in t.consumers)):
+        cpu_forward = stand_in and op in CPU_FORWARDING_OPS
+        if (op in IN_PLACE_OPS or cpu_forward) and t.output == 0 and not (
+                stand_in and any(not on_gpu[c] for c in t.consumers)):
             # The newest input first: kernels forward their first operand (the incoming gradient
-            # of a *Grad op), which is made later than the forward pass's activations.
-            for src in sorted((i for i in same if root[i] >= 0), key=lambda i: -tensors[i].producer):
+            # of a *Grad op), which is made later than the forward pass's activations. A pooling
+            # gradient's CPU kernel forwards the forward pass's input only, the oldest of its inputs.
+            candidates = sorted((i for i in same if root[i] >= 0),
+                                key=lambda i: tensors[i].producer if cpu_forward else -tensors[i].producer)
+            for src in candidates[:1] if cpu_forward else candidates:
                 r = root[src]
                 if last_use[r] == k:
                     shares[t.id] = src

@@ -58,6 +58,7 @@ class Schedule:
     shares: tuple[int, ...] = ()  # executor model: per tensor, the tensor whose buffer it shares
     in_place: tuple[bool, ...] = ()  # executor model: per tensor, that link is an in-place reuse
     scratch: tuple[int, ...] = ()  # per position, kernel scratch bytes held while the op runs
+    scratch_first: tuple[bool, ...] = ()  # per position, the kernel takes its scratch before its outputs
     # The step as the CPU stand-in's executor runs it (set by on_stand_in): a swap-out's transfer
     # starts only when an op waits for it (see lmscli.model.simulator), where a GPU's starts when
     # its producer ends; and an output the other process reads is no input's buffer (memmodel.sharing).
@@ -80,11 +81,13 @@ class Schedule:
     # held while the ops from first to last run.
     ahead: tuple[tuple[int, int, int], ...] = ()
 
-    def with_scratch(self, by_name: dict) -> "Schedule":
-        """The same schedule with kernel scratch bytes per op name (e.g. measured on the stand-in)."""
+    def with_scratch(self, by_name: dict, first=frozenset()) -> "Schedule":
+        """The same schedule with kernel scratch bytes per op name (e.g. measured on the stand-in),
+        taken before the op's outputs by the ops named in ``first``, after them by the others."""
         from dataclasses import replace
 
-        return replace(self, scratch=tuple(int(by_name.get(name, 0)) for name in self.names))
+        return replace(self, scratch=tuple(int(by_name.get(name, 0)) for name in self.names),
+                       scratch_first=tuple(name in first for name in self.names) if first else ())
 
     def on_stand_in(self) -> "Schedule":
         """The same step as the CPU stand-in runs it (``stand_in``): a swap-out's transfer waits
@@ -162,7 +165,8 @@ class Schedule:
                 ahead.append((min(span), max(span), num_bytes))
         pruned = replace(self, nodes=pick(self.nodes), names=pick(self.names), ops=pick(self.ops),
                          levels=pick(self.levels), compute=pick(self.compute), on_gpu=pick(self.on_gpu),
-                         tensors=tuple(tensors), inputs=inputs, scratch=pick(self.scratch), shares=(), in_place=(),
+                         tensors=tuple(tensors), inputs=inputs, scratch=pick(self.scratch),
+                         scratch_first=pick(self.scratch_first), shares=(), in_place=(),
                          reads_constant=pick(self.reads_constant), carried=pick(self.carried), ahead=tuple(ahead))
         return pruned.with_memory_model(self.memory_model)
 

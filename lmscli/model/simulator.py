@@ -41,6 +41,9 @@ from dataclasses import dataclass, field
 from lmscli.model.schedule import Schedule
 
 
+SCRATCH, SCRATCH_FIRST = 2, -1  # event kinds of kernel scratch taken after and before the op's outputs
+
+
 @dataclass(frozen=True)
 class SwapIn:
     consumers: tuple[int, ...]  # positions served by this swap-in (sorted)
@@ -204,8 +207,9 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
     step_time = max([clock, d2h_free, h2d_free])
 
     # Memory events: (time, order, kind, id, delta); kind 0 is a swap-in buffer, 1 a tensor, 2 kernel
-    # scratch. Plain tuples sort fastest. Grappler's model orders an instant's allocations before
-    # its frees (order = phase); the executor's runs ops one after another (order = position).
+    # scratch (-1: scratch a kernel takes before its outputs). Plain tuples sort fastest. Grappler's
+    # model orders an instant's allocations before its frees (order = phase); the executor's runs
+    # ops one after another (order = position).
     if schedule.memory_model == "executor":
         events, host_events = _executor_events(schedule, swap_of, start, end, out_start, out_end, in_start, in_end)
     else:
@@ -239,7 +243,7 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
     live_set: dict[tuple[str, int], int] = {}
     kinds = ("swapin", "tensor")
     for _time, _phase, kind, tid, delta in (events[: peak_index + 1] if detail else ()):
-        if kind > 1:
+        if kind > 1 or kind < 0:
             continue  # kernel scratch is not a tensor
         if delta > 0:
             live_set[(kinds[kind], tid)] = delta
@@ -414,10 +418,12 @@ def _executor_events(schedule, swap_of, start, end, out_start, out_end, in_start
         events.append((time, order, kind, tid, size))
         f_time, f_order = free.get(key, (time, order + 2))
         events.append((f_time, f_order, kind, tid, -size))
+    first = schedule.scratch_first
     for k, size in enumerate(schedule.scratch):
-        if size > 0:
-            events.append((start[k], 4 * k, 2, k, size))
-            events.append((end[k], 4 * k + 1, 2, k, -size))
+        if size > 0:  # before the op's outputs (kind -1 sorts first) or after them
+            kind = SCRATCH_FIRST if first and first[k] else SCRATCH
+            events.append((start[k], 4 * k, kind, k, size))
+            events.append((end[k], 4 * k + 1, kind, k, -size))
     for j, (first, last, size) in enumerate(schedule.ahead):  # loop iterations running ahead
         events.append((start[first], 4 * first, 4, j, rounded(size)))
         events.append((end[last], 4 * last + 2, 4, j, -rounded(size)))

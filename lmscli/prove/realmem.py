@@ -89,10 +89,11 @@ def predict(model, batch_size: int | None = None, observation=None, stand_in=Non
     orders = (observation.order,) + tuple(o for o in observation.orders if o)
     if here_run is not None:
         standin = max(run_peak_of(here_run, observation.scratch, order, observation.micros,
-                                  orders=observation.orders) for order in orders)
+                                  orders=observation.orders, scratch_first=observation.first) for order in orders)
     else:
         standin = max(simulate(here_prepared.observed(order, observation.scratch, observation.micros,
-                                                      observation.orders).schedule, detail=False).peak_bytes
+                                                      observation.orders, observation.first).schedule,
+                               detail=False).peak_bytes
                       for order in orders)
     try:
         estimate = grappler.estimate_peak(prepared_meta, model.fetches)

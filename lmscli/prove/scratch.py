@@ -32,13 +32,15 @@ class Observation:
     order: tuple  # node names in the order the executor started them
     micros: dict = field(default_factory=dict)  # node name -> microseconds it ran on this CPU
     orders: tuple = ()  # the orders of other traced steps of the same graph (loops run differently each time)
+    first: frozenset = frozenset()  # ops of ``scratch`` whose kernel takes its scratch before its outputs
 
     def lending(self, other: "Observation | None") -> "Observation":
         """This observation, with the scratch of ``other`` for ops it did not see hold any (a
         rewrite runs the same kernels as its original)."""
         if other is None:
             return self
-        return Observation({**other.scratch, **self.scratch}, self.order, self.micros, self.orders)
+        first = self.first | {name for name in other.first if name not in self.scratch}
+        return Observation({**other.scratch, **self.scratch}, self.order, self.micros, self.orders, frozenset(first))
 
 
 _FED = re.compile(r" edge_\d+__recv_(\S+)_0 from \S+ to (\S+)")  # a RecvTensor's label for a fed value
@@ -57,6 +59,7 @@ def from_step_stats(step_stats, device_prefix: str = "") -> Observation:
     """The observation in a traced step's ``StepStats``, for the devices whose name starts with
     ``device_prefix`` (all by default)."""
     scratch: dict[str, int] = {}
+    first: set[str] = set()
     started = []
     micros: dict[str, int] = {}
     for dev in step_stats.dev_stats:
@@ -69,4 +72,24 @@ def from_step_stats(step_stats, device_prefix: str = "") -> Observation:
                 held = mem.peak_bytes - mem.live_bytes
                 if held > 0:
                     scratch[node.node_name] = max(scratch.get(node.node_name, 0), int(held))
-    return Observation(scratch, tuple(name for _, name in sorted(started)), micros)
+                    if _scratch_first(node, mem):
+                        first.add(node.node_name)
+    return Observation(scratch, tuple(name for _, name in sorted(started)), micros, first=frozenset(first))
+
+
+def _scratch_first(node, mem) -> bool:
+    """Whether the op's first allocation (of a traced step's records, in the order it made them)
+    is one it freed again before it ended: scratch taken before its outputs. Where a kernel takes
+    its scratch decides where the allocator puts its outputs: a CPU max-pooling gradient takes its
+    argmax buffer (twice its output) first, and on an Inception block that buffer took the hole
+    the output was modelled in (predicted 23 MiB, the stand-in needed 26). Kernels differ (a batch
+    norm's gradient allocates its outputs first), hence the record::
+
+        MaxPoolGrad records: +3.5 MiB (argmax), +1.75 MiB (output), -3.5 MiB   -> scratch first
+    """
+    records = [r for r in mem.allocation_records]
+    if not records or records[0].alloc_bytes <= 0:
+        return False
+    end = node.all_start_micros + node.all_end_rel_micros
+    size = records[0].alloc_bytes
+    return any(r.alloc_bytes == -size and r.alloc_micros <= end for r in records[1:])

@@ -886,7 +886,7 @@ class StandIn:
             raise LmsError(f"the step does not run on the stand-in even without a limit: {failed.message}")
         prefix = f"/job:{STANDIN_JOB}/"
         first, warm = from_step_stats(timed.trace[0], prefix), from_step_stats(timed.trace[1], prefix)
-        scratch = from_step_stats(sized.trace[0], prefix).scratch
+        sizes = from_step_stats(sized.trace[0], prefix)
         # The order takes the host's ops too, where they really started: a swap-out's host node
         # starts once the stand-in's send has handed its tensor over, and no op need wait for it,
         # so it can come long after its tensor was ready (QA: a GPU plan's swap-outs, placed at
@@ -895,7 +895,8 @@ class StandIn:
         # How far a loop's iterations run ahead of each other varies from step to step; the other
         # two traced steps show it twice more.
         orders = (from_step_stats(timed.trace[1]).order, from_step_stats(sized.trace[0]).order)
-        return replace(first, order=order, scratch=scratch, micros={**first.micros, **warm.micros}, orders=orders)
+        return replace(first, order=order, scratch=sizes.scratch, first=sizes.first,
+                       micros={**first.micros, **warm.micros}, orders=orders)
 
     def find_min(self, meta_graph, fetches, *, hint_bytes: int | None = None, lo_bytes: int | None = None,
                  hi_bytes: int | None = None, batch_size: int = 1, runs: int = 3, resolution: int = MIB,
