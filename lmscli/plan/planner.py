@@ -1527,13 +1527,6 @@ def _best_plan(ctx: _Context, budget_act: int, baseline: SimResult, log: list[st
                          binding_op=ctx.schedule.names[stuck_at.position],
                          budget_bytes=ctx.device.budget)
 
-    if ctx.waited_out:
-        # On the stand-in every swap-in is made to land before the op after its trigger
-        # (:func:`landed`, applied to the chosen plan): a candidate that no longer fits then is
-        # passed over while another does (a TFLMS-style plan of the 3D U-Net at 14 MiB fitted by
-        # 13 KiB and was 3 KiB over once landed).
-        fitting = [f for f in found if not f[1] or _judge(ctx, landed(ctx, f[1]), detail=False).peak <= budget_act]
-        found = fitting or found
     order = {id(f): n for n, f in enumerate(found)}
     if strategy == "hybrid":
         fastest = min(f[2].step_time for f in found)
