@@ -143,7 +143,7 @@ def evaluate(label: str, spec, stand_in, log, from_share: float | None = None) -
 
     prepared = api.for_stand_in(api.prepare(model), stand_in)
     observation = Observation(dict(prepared.scratch or {}), prepared.observed_order,
-                              dict(prepared.observed_micros or {}), first=prepared.scratch_first)
+                              dict(prepared.observed_micros or {}), scratch_first=prepared.scratch_first)
     bound = api.analyze(prepared).lower_bound_bytes
     rows = [_measure(stand_in, model, "original", observation, {})]
     log(f"{label}: original needs {rows[0].min_limit_bytes:,} (predicted {rows[0].predicted_bytes:,})")

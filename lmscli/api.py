@@ -110,7 +110,7 @@ def _in_the_worst_order(prepared: Prepared, seen) -> Prepared:
     worst, peak = None, -1
     for k, order in enumerate(orders):
         others = tuple(o for j, o in enumerate(orders) if j != k)
-        observed = prepared.observed(order, seen.scratch, seen.micros, others, seen.first)
+        observed = prepared.observed(order, seen.scratch, seen.micros, others, seen.scratch_first)
         need = simulate(observed.schedule, detail=False).peak_bytes
         if need > peak:
             worst, peak = observed, need

@@ -427,7 +427,7 @@ def test_a_stand_in_step_is_planned_in_the_traced_order_that_needs_the_most():
     needs = {}
     for first in (early, late):
         seen = SimpleNamespace(order=tuple(first), orders=(tuple(late if first is early else early),), scratch={},
-                               micros={}, first=frozenset())
+                               micros={}, scratch_first=frozenset())
         chosen = _in_the_worst_order(prepared, seen)
         needs[len(needs)] = simulate(chosen.schedule).peak_bytes
         assert chosen.observed_order == tuple(late)

@@ -89,10 +89,10 @@ def predict(model, batch_size: int | None = None, observation=None, stand_in=Non
     orders = (observation.order,) + tuple(o for o in observation.orders if o)
     if here_run is not None:
         standin = max(run_peak_of(here_run, observation.scratch, order, observation.micros,
-                                  orders=observation.orders, scratch_first=observation.first) for order in orders)
+                                  orders=observation.orders, scratch_first=observation.scratch_first) for order in orders)
     else:
         standin = max(simulate(here_prepared.observed(order, observation.scratch, observation.micros,
-                                                      observation.orders, observation.first).schedule,
+                                                      observation.orders, observation.scratch_first).schedule,
                                detail=False).peak_bytes
                       for order in orders)
     try:

@@ -32,14 +32,14 @@ class Observation:
     order: tuple  # node names in the order the executor started them
     micros: dict = field(default_factory=dict)  # node name -> microseconds it ran on this CPU
     orders: tuple = ()  # the orders of other traced steps of the same graph (loops run differently each time)
-    first: frozenset = frozenset()  # ops of ``scratch`` whose kernel takes its scratch before its outputs
+    scratch_first: frozenset = frozenset()  # ops of ``scratch`` whose kernel takes it before its outputs
 
     def lending(self, other: "Observation | None") -> "Observation":
         """This observation, with the scratch of ``other`` for ops it did not see hold any (a
         rewrite runs the same kernels as its original)."""
         if other is None:
             return self
-        first = self.first | {name for name in other.first if name not in self.scratch}
+        first = self.scratch_first | {name for name in other.scratch_first if name not in self.scratch}
         return Observation({**other.scratch, **self.scratch}, self.order, self.micros, self.orders, frozenset(first))
 
 
@@ -74,7 +74,7 @@ def from_step_stats(step_stats, device_prefix: str = "") -> Observation:
                     scratch[node.node_name] = max(scratch.get(node.node_name, 0), int(held))
                     if _scratch_first(node, mem):
                         first.add(node.node_name)
-    return Observation(scratch, tuple(name for _, name in sorted(started)), micros, first=frozenset(first))
+    return Observation(scratch, tuple(name for _, name in sorted(started)), micros, scratch_first=frozenset(first))
 
 
 def _scratch_first(node, mem) -> bool:
@@ -87,7 +87,7 @@ def _scratch_first(node, mem) -> bool:
 
         MaxPoolGrad records: +3.5 MiB (argmax), +1.75 MiB (output), -3.5 MiB   -> scratch first
     """
-    records = [r for r in mem.allocation_records]
+    records = list(mem.allocation_records)
     if not records or records[0].alloc_bytes <= 0:
         return False
     end = node.all_start_micros + node.all_end_rel_micros

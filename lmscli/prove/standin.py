@@ -895,7 +895,7 @@ class StandIn:
         # How far a loop's iterations run ahead of each other varies from step to step; the other
         # two traced steps show it twice more.
         orders = (from_step_stats(timed.trace[1]).order, from_step_stats(sized.trace[0]).order)
-        return replace(first, order=order, scratch=sizes.scratch, first=sizes.first,
+        return replace(first, order=order, scratch=sizes.scratch, scratch_first=sizes.scratch_first,
                        micros={**first.micros, **warm.micros}, orders=orders)
 
     def find_min(self, meta_graph, fetches, *, hint_bytes: int | None = None, lo_bytes: int | None = None,
