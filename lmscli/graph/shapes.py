@@ -153,7 +153,7 @@ def _loop_pins(graph_def, tensors) -> dict[str, tuple]:
 
     if not any(node.op in ("Enter", "RefEnter", "TensorListPopBack", "TensorListStack") for node in graph_def.node):
         return {}
-    from lmscli.model.loops import _stacks
+    from lmscli.graph.loopvalues import pushes_and_pops
 
     view = GraphView(graph_def, tensors)
     pins: dict[str, tuple] = {}
@@ -172,7 +172,7 @@ def _loop_pins(graph_def, tensors) -> dict[str, tuple]:
                     pins[view.names[i]] = (entered[0].shape, ())
         elif op == "TensorListPopBack" and len(outputs) > 1 and _open(outputs[1]):
             if lists is None:
-                lists = _stacks(view)
+                lists = pushes_and_pops(view)
             pushed = _pushed_shapes(view, i, lists)
             if len(pushed) == 1:
                 pins[view.names[i]] = ((), next(iter(pushed)))
@@ -189,9 +189,9 @@ def _reserved(view, stack: int) -> int | None:
     made it with a count known before the step: a constant, or computed outside any loop from
     placeholders whose shapes are all known (a loop's outputs: ``TensorArray(size=steps)``, with
     ``steps`` read from the input's shape)."""
-    from lmscli.model.loops import _source, value_before_the_step
+    from lmscli.graph.loopvalues import source, value_before_the_step
 
-    maker = _source(view, view.data_inputs[stack][0][0], through_exit=True)
+    maker = source(view, view.data_inputs[stack][0][0], through_exit=True)
     inputs = view.data_inputs[maker]
     if view.ops[maker] != "TensorListReserve" or len(inputs) < 2:
         return None
@@ -216,10 +216,10 @@ def _agrees(info: TensorInfo, shape: tuple) -> bool:
 
 def _pushed_shapes(view, pop: int, lists: dict) -> set[tuple]:
     """The shapes of what is pushed to the list ``pop`` pops from (``lists``: the pushes and pops
-    of each list, :func:`lmscli.model.loops._stacks`), when all are known."""
-    from lmscli.model.loops import _list
+    of each list, :func:`lmscli.graph.loopvalues.pushes_and_pops`), when all are known."""
+    from lmscli.graph.loopvalues import list_of
 
-    pushes = lists.get(_list(view, view.data_inputs[pop][0][0]), ((), ()))[0]
+    pushes = lists.get(list_of(view, view.data_inputs[pop][0][0]), ((), ()))[0]
     shapes = set()
     for push in pushes:
         inputs = view.data_inputs[push]

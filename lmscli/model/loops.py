@@ -33,13 +33,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from lmscli.graph.graphview import GraphView
+from lmscli.graph.loopvalues import Evaluator, invariant, pushes_and_pops, source
 
-PUSH_OPS = frozenset({"StackPushV2", "StackPush", "TensorListPushBack"})
-POP_OPS = frozenset({"StackPopV2", "StackPop", "TensorListPopBack"})
 WRITE_OPS = frozenset({"TensorArrayWriteV3", "TensorArrayScatterV3"})
 READ_OPS = frozenset({"TensorArrayReadV3", "TensorArrayGatherV3", "TensorArrayConcatV3"})
 COMPARISONS = {"Less": 0, "LessEqual": 1, "Greater": 0, "GreaterEqual": 1}  # counter < n: n trips
-PASS_THROUGH = frozenset({"Enter", "RefEnter", "Identity", "Switch", "Merge"})
 
 
 @dataclass(frozen=True)
@@ -74,7 +72,7 @@ def trip_counts(view: GraphView) -> dict[str, Loop]:
     for i in range(view.size):
         if view.ops[i] == "LoopCond" and view.frames[i]:
             conds.setdefault(view.frames[i], i)
-    evaluator = _Evaluator(view)
+    evaluator = Evaluator(view)
     out: dict[str, Loop] = {}
     for frame in frames:
         cond = conds.get(frame)
@@ -84,7 +82,7 @@ def trip_counts(view: GraphView) -> dict[str, Loop]:
         trips, how = _bound(view, view.data_inputs[cond][0][0], frame, evaluator)
         out[frame] = Loop(frame, trips, how)
     # A gradient loop pops what a forward loop pushed: it runs as many iterations.
-    stacks = _stacks(view)
+    stacks = pushes_and_pops(view)
     for pushes, pops in stacks.values():
         known = [out[view.frames[p]] for p in pushes if out.get(view.frames[p]) and out[view.frames[p]].trips]
         for p in pops:
@@ -101,7 +99,7 @@ def storage(view: GraphView, loops: dict[str, Loop] | None = None) -> tuple[Stor
     found: list[Storage] = []
     seen: set[tuple[int, int]] = set()  # values already kept: a buffer pushed twice is one buffer
     by_value: dict[tuple[int, int], int] = {}  # a value kept by a stack -> its entry in found
-    for pushes, pops in _stacks(view).values():
+    for pushes, pops in pushes_and_pops(view).values():
         popped = max((view.tensor_bytes(p, 0) for p in pops), default=0)  # when the pushed size is unknown
         for push in pushes:
             value = _new_buffer_each_iteration(view, push, 1, set())
@@ -431,57 +429,13 @@ def total_trips(view: GraphView, frame: str, loops: dict[str, Loop]) -> int | No
     return total
 
 
-def _source(view: GraphView, node: int, through_exit: bool = False) -> int:
-    """The node a handle or value comes from, through Enter/Identity/Switch/Merge (and Exit)."""
-    seen = set()
-    passing = PASS_THROUGH | {"Exit"} if through_exit else PASS_THROUGH
-    while view.ops[node] in passing and view.data_inputs[node] and node not in seen:
-        seen.add(node)
-        node = view.data_inputs[node][0][0]
-    return node
-
-
-def _stacks(view: GraphView) -> dict[int, tuple[list[int], list[int]]]:
-    """Per stack (its StackV2 node, or a TensorList's EmptyTensorList), its pushes and pops."""
-    out: dict[int, tuple[list[int], list[int]]] = {}
-    for i in range(view.size):
-        op = view.ops[i]
-        if (op in PUSH_OPS or op in POP_OPS) and view.data_inputs[i]:
-            # (a TensorList is a value: the gradient loop pops the list the forward loop's Exit gives)
-            stack = (_list(view, view.data_inputs[i][0][0]) if op.startswith("TensorList")
-                     else _source(view, view.data_inputs[i][0][0]))
-            pushes, pops = out.setdefault(stack, ([], []))
-            (pushes if op in PUSH_OPS else pops).append(i)
-    return out
-
-
-def _list(view: GraphView, node: int) -> int:
-    """The TensorList ``node`` passes on: the ``EmptyTensorList`` that made it or, when that one
-    makes the first value of several lists, the ``Enter`` by which this one entered its first loop.
-    Grappler's optimizations make one of a loop's identical ``EmptyTensorList`` ops (the graph a
-    Session runs: a tf_keras LSTM's 14 accumulators came from one), and a list is a value: each
-    loop variable is a list of its own::
-
-        EmptyTensorList -> Enter a -> ... PushBack(h) ... Exit -> Enter -> ... PopBack   list "a"
-                        -> Enter b -> ... PushBack(c) ... Exit -> Enter -> ... PopBack   list "b"
-    """
-    seen, enter = set(), None
-    while view.ops[node] in PASS_THROUGH | {"Exit"} and view.data_inputs[node] and node not in seen:
-        seen.add(node)
-        if view.ops[node] in ("Enter", "RefEnter"):
-            enter = node
-        node = view.data_inputs[node][0][0]
-    shared = sum(1 for dst, _port, _output in view.consumers[node] if view.ops[dst] in PASS_THROUGH) > 1
-    return enter if enter is not None and shared else node
-
-
 def _arrays(view: GraphView) -> dict[int, tuple[list[int], list[int]]]:
     """Per TensorArray (its TensorArrayV3 node), the writes inside loops and the reads."""
     out: dict[int, tuple[list[int], list[int]]] = {}
     for i in range(view.size):
         op = view.ops[i]
         if (op in WRITE_OPS or op in READ_OPS) and view.data_inputs[i]:
-            array = _source(view, view.data_inputs[i][0][0])
+            array = source(view, view.data_inputs[i][0][0])
             writes, reads = out.setdefault(array, ([], []))
             if op in WRITE_OPS and (view.frames[i] or op == "TensorArrayScatterV3"):
                 writes.append(i)
@@ -538,7 +492,7 @@ def resident_pops(view: GraphView) -> frozenset[int]:
         before: the pop makes an 8 MiB tensor   after: the pop is the kernel's buffer
     """
     out = set()
-    for pushes, pops in _stacks(view).values():
+    for pushes, pops in pushes_and_pops(view).values():
         if pushes and all((kept := _kept_value(view, push, 1)) is not None and _resident(view, kept[0])
                           for push in pushes):
             out.update(pops)
@@ -614,115 +568,8 @@ def _varies(view: GraphView, node: int, frame: str) -> bool:
             continue
         seen.add(i)
         if view.ops[i] in ("Merge", "RefMerge"):
-            if _invariant(view, i) is None:
+            if invariant(view, i) is None:
                 return True
             continue
         stack.extend(src for src, _ in view.data_inputs[i])
     return False
-
-
-def _invariant(view: GraphView, merge: int) -> tuple[int, int] | None:
-    """The value a loop variable enters with, when the body passes it on unchanged (its next
-    value is its own Switch's output through Identities only, as a TensorFlow 2 loop does with
-    its bounds); None when it changes::
-
-        Enter(n) --> Merge --> Switch --:1--> Identity ... --> NextIteration --> (Merge)
-    """
-    entered, back = None, None
-    for src, _output in view.data_inputs[merge]:
-        if view.ops[src] in ("Enter", "RefEnter"):
-            entered = view.data_inputs[src][0] if view.data_inputs[src] else None
-        elif view.ops[src] in ("NextIteration", "RefNextIteration"):
-            back = src
-    if entered is None or back is None:
-        return None
-    node, seen = back, set()
-    while view.data_inputs[node] and node not in seen:
-        seen.add(node)
-        src, output = view.data_inputs[node][0]
-        if view.ops[src] in ("Switch", "RefSwitch"):
-            return entered if output == 1 and view.data_inputs[src][0][0] == merge else None
-        if view.ops[src] != "Identity":
-            return None
-        node = src
-    return None
-
-
-def value_before_the_step(view: GraphView, node: int, output: int):
-    """The value of a scalar tensor made outside every loop, as :class:`_Evaluator` computes it
-    (a constant, or run from the placeholders' static shapes); None when it cannot be known."""
-    if view.frames[node]:
-        return None
-    evaluator = _Evaluator(view)
-    return evaluator._const(node) if view.ops[node] == "Const" else evaluator._run(node, output)
-
-
-class _Evaluator:
-    """Values of loop-invariant tensors: constants read from the graph, anything else computed by
-    TensorFlow from the placeholders' static shapes (zeros; None when that fails)."""
-
-    def __init__(self, view: GraphView):
-        self.view = view
-        self._session = None
-
-    def value(self, node: int, output: int, frame: str):
-        view = self.view
-        while view.frames[node] == frame and view.ops[node] in ("Enter", "RefEnter", "Identity", "Merge"):
-            if view.ops[node] == "Merge":
-                entered = _invariant(view, node)
-                if entered is None:
-                    return None
-                node, output = entered
-                continue
-            node, output = view.data_inputs[node][0]
-        if view.ops[node] == "Const":  # (a constant made inside the loop is invariant too)
-            return self._const(node)
-        if view.frames[node] == frame:
-            return None
-        if view.frames[node]:
-            return None  # computed in an outer loop: it may change per outer iteration
-        return self._run(node, output)
-
-    def _const(self, node: int):
-        from lmscli.tfimport import tensorflow
-
-        tf = tensorflow()
-        try:
-            value = tf.make_ndarray(self.view.node_defs[node].attr["value"].tensor)
-        except Exception:
-            return None
-        return value.item() if value.size == 1 else None
-
-    def _run(self, node: int, output: int):
-        import numpy as np
-
-        from lmscli.tfimport import tensorflow
-
-        tf = tensorflow()
-        view = self.view
-        needed = view.ancestors([node])
-        if any(view.frames[i] for i in needed):
-            return None
-        try:
-            from tensorflow.core.framework import graph_pb2
-
-            graph_def = graph_pb2.GraphDef()
-            graph_def.node.extend(view.node_defs[i] for i in sorted(needed))
-            graph_def.library.function.extend(view.library)
-            graph = tf.Graph()
-            with graph.as_default():
-                tf.compat.v1.import_graph_def(graph_def, name="")
-            feeds = {}
-            for op in graph.get_operations():
-                if op.type in ("Placeholder", "PlaceholderV2"):
-                    t = op.outputs[0]
-                    if t.shape.rank is None:
-                        return None
-                    feeds[t] = np.zeros([d if d is not None else 1 for d in t.shape.as_list()],
-                                        dtype=t.dtype.as_numpy_dtype)
-            with tf.compat.v1.Session(graph=graph) as session:
-                value = session.run(f"{view.names[node]}:{output}", feed_dict=feeds)
-        except Exception:
-            return None
-        value = np.asarray(value)
-        return value.item() if value.size == 1 and np.issubdtype(value.dtype, np.number) else None

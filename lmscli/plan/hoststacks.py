@@ -89,14 +89,14 @@ def hostable(view: GraphView, leave_out=frozenset()) -> tuple[Hostable, ...]:
     step does not run."""
     if not any(view.frames):
         return ()
-    from lmscli.model.loops import _stacks
+    from lmscli.graph.loopvalues import pushes_and_pops
 
     storage = [s for s in loop_storage(view) if s.kind == "stack"]
     if not storage:
         return ()
     stack_of: dict[int, int] = {}  # push -> its stack
     members: dict[int, tuple[list[int], list[int]]] = {}
-    for stack, (pushes, pops) in _stacks(view).items():
+    for stack, (pushes, pops) in pushes_and_pops(view).items():
         members[stack] = (pushes, pops)
         for push in pushes:
             stack_of[push] = stack

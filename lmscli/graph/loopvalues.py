@@ -1,0 +1,163 @@
+"""Which stack or TensorList a loop's push or pop works on, and the values of loop invariants
+before the step: facts of the graph that shape inference (:mod:`lmscli.graph.shapes`), the loop
+memory model (:mod:`lmscli.model.loops`) and the host stacks (:mod:`lmscli.plan.hoststacks`) read.
+"""
+
+from __future__ import annotations
+
+from lmscli.graph.graphview import GraphView
+
+PUSH_OPS = frozenset({"StackPushV2", "StackPush", "TensorListPushBack"})
+POP_OPS = frozenset({"StackPopV2", "StackPop", "TensorListPopBack"})
+PASS_THROUGH = frozenset({"Enter", "RefEnter", "Identity", "Switch", "Merge"})
+
+
+def source(view: GraphView, node: int, through_exit: bool = False) -> int:
+    """The node a handle or value comes from, through Enter/Identity/Switch/Merge (and Exit)."""
+    seen = set()
+    passing = PASS_THROUGH | {"Exit"} if through_exit else PASS_THROUGH
+    while view.ops[node] in passing and view.data_inputs[node] and node not in seen:
+        seen.add(node)
+        node = view.data_inputs[node][0][0]
+    return node
+
+
+def pushes_and_pops(view: GraphView) -> dict[int, tuple[list[int], list[int]]]:
+    """Per stack (its StackV2 node, or a TensorList's EmptyTensorList), its pushes and pops."""
+    out: dict[int, tuple[list[int], list[int]]] = {}
+    for i in range(view.size):
+        op = view.ops[i]
+        if (op in PUSH_OPS or op in POP_OPS) and view.data_inputs[i]:
+            # (a TensorList is a value: the gradient loop pops the list the forward loop's Exit gives)
+            stack = (list_of(view, view.data_inputs[i][0][0]) if op.startswith("TensorList")
+                     else source(view, view.data_inputs[i][0][0]))
+            pushes, pops = out.setdefault(stack, ([], []))
+            (pushes if op in PUSH_OPS else pops).append(i)
+    return out
+
+
+def list_of(view: GraphView, node: int) -> int:
+    """The TensorList ``node`` passes on: the ``EmptyTensorList`` that made it or, when that one
+    makes the first value of several lists, the ``Enter`` by which this one entered its first loop.
+    Grappler's optimizations make one of a loop's identical ``EmptyTensorList`` ops (the graph a
+    Session runs: a tf_keras LSTM's 14 accumulators came from one), and a list is a value: each
+    loop variable is a list of its own::
+
+        EmptyTensorList -> Enter a -> ... PushBack(h) ... Exit -> Enter -> ... PopBack   list "a"
+                        -> Enter b -> ... PushBack(c) ... Exit -> Enter -> ... PopBack   list "b"
+    """
+    seen, enter = set(), None
+    while view.ops[node] in PASS_THROUGH | {"Exit"} and view.data_inputs[node] and node not in seen:
+        seen.add(node)
+        if view.ops[node] in ("Enter", "RefEnter"):
+            enter = node
+        node = view.data_inputs[node][0][0]
+    shared = sum(1 for dst, _port, _output in view.consumers[node] if view.ops[dst] in PASS_THROUGH) > 1
+    return enter if enter is not None and shared else node
+
+
+def invariant(view: GraphView, merge: int) -> tuple[int, int] | None:
+    """The value a loop variable enters with, when the body passes it on unchanged (its next
+    value is its own Switch's output through Identities only, as a TensorFlow 2 loop does with
+    its bounds); None when it changes::
+
+        Enter(n) --> Merge --> Switch --:1--> Identity ... --> NextIteration --> (Merge)
+    """
+    entered, back = None, None
+    for src, _output in view.data_inputs[merge]:
+        if view.ops[src] in ("Enter", "RefEnter"):
+            entered = view.data_inputs[src][0] if view.data_inputs[src] else None
+        elif view.ops[src] in ("NextIteration", "RefNextIteration"):
+            back = src
+    if entered is None or back is None:
+        return None
+    node, seen = back, set()
+    while view.data_inputs[node] and node not in seen:
+        seen.add(node)
+        src, output = view.data_inputs[node][0]
+        if view.ops[src] in ("Switch", "RefSwitch"):
+            return entered if output == 1 and view.data_inputs[src][0][0] == merge else None
+        if view.ops[src] != "Identity":
+            return None
+        node = src
+    return None
+
+
+def value_before_the_step(view: GraphView, node: int, output: int):
+    """The value of a scalar tensor made outside every loop, as :class:`Evaluator` computes it
+    (a constant, or run from the placeholders' static shapes); None when it cannot be known."""
+    if view.frames[node]:
+        return None
+    evaluator = Evaluator(view)
+    return evaluator._const(node) if view.ops[node] == "Const" else evaluator._run(node, output)
+
+
+class Evaluator:
+    """Values of loop-invariant tensors: constants read from the graph, anything else computed by
+    TensorFlow from the placeholders' static shapes (zeros; None when that fails)."""
+
+    def __init__(self, view: GraphView):
+        self.view = view
+        self._session = None
+
+    def value(self, node: int, output: int, frame: str):
+        view = self.view
+        while view.frames[node] == frame and view.ops[node] in ("Enter", "RefEnter", "Identity", "Merge"):
+            if view.ops[node] == "Merge":
+                entered = invariant(view, node)
+                if entered is None:
+                    return None
+                node, output = entered
+                continue
+            node, output = view.data_inputs[node][0]
+        if view.ops[node] == "Const":  # (a constant made inside the loop is invariant too)
+            return self._const(node)
+        if view.frames[node] == frame:
+            return None
+        if view.frames[node]:
+            return None  # computed in an outer loop: it may change per outer iteration
+        return self._run(node, output)
+
+    def _const(self, node: int):
+        from lmscli.tfimport import tensorflow
+
+        tf = tensorflow()
+        try:
+            value = tf.make_ndarray(self.view.node_defs[node].attr["value"].tensor)
+        except Exception:
+            return None
+        return value.item() if value.size == 1 else None
+
+    def _run(self, node: int, output: int):
+        import numpy as np
+
+        from lmscli.tfimport import tensorflow
+
+        tf = tensorflow()
+        view = self.view
+        needed = view.ancestors([node])
+        if any(view.frames[i] for i in needed):
+            return None
+        try:
+            from tensorflow.core.framework import graph_pb2
+
+            graph_def = graph_pb2.GraphDef()
+            graph_def.node.extend(view.node_defs[i] for i in sorted(needed))
+            graph_def.library.function.extend(view.library)
+            graph = tf.Graph()
+            with graph.as_default():
+                tf.compat.v1.import_graph_def(graph_def, name="")
+            feeds = {}
+            for op in graph.get_operations():
+                if op.type in ("Placeholder", "PlaceholderV2"):
+                    t = op.outputs[0]
+                    if t.shape.rank is None:
+                        return None
+                    feeds[t] = np.zeros([d if d is not None else 1 for d in t.shape.as_list()],
+                                        dtype=t.dtype.as_numpy_dtype)
+            with tf.compat.v1.Session(graph=graph) as session:
+                value = session.run(f"{view.names[node]}:{output}", feed_dict=feeds)
+        except Exception:
+            return None
+        value = np.asarray(value)
+        return value.item() if value.size == 1 and np.issubdtype(value.dtype, np.number) else None
