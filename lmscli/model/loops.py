@@ -55,7 +55,7 @@ class Storage:
     writer: int  # GraphView index
     readers: tuple[int, ...]
     num_bytes: int
-    kind: str  # "stack" or "tensor array"
+    kind: str  # "stack", "tensor array" or "tensor list"
     trips: int = 1  # iterations over one step of the loop the writer runs in (num_bytes: that many elements)
     sharers: tuple[int, ...] = ()  # other pushes keeping the same buffers (a value pushed on two stacks)
     # A stack of the larger branch of a cond inside the loop: its share of what the loop keeps when
@@ -99,11 +99,17 @@ def storage(view: GraphView, loops: dict[str, Loop] | None = None) -> tuple[Stor
     found: list[Storage] = []
     seen: set[tuple[int, int]] = set()  # values already kept: a buffer pushed twice is one buffer
     by_value: dict[tuple[int, int], int] = {}  # a value kept by a stack -> its entry in found
+    lists = {s.writer: s for s in whole_lists(view)}
     for pushes, pops in pushes_and_pops(view).values():
         popped = max((view.tensor_bytes(p, 0) for p in pops), default=0)  # when the pushed size is unknown
         for push in pushes:
             value = _new_buffer_each_iteration(view, push, 1, set())
             if value is None:
+                continue
+            whole = _element_of(view, *value)
+            if whole in lists:  # an element of a whole list: its buffer, kept until these pops too
+                kept = lists[whole]
+                lists[whole] = replace(kept, readers=tuple(sorted(set(kept.readers) | set(pops))))
                 continue
             if value in by_value:  # pushed on another stack too: one buffer, two stacks keep it
                 first = found[by_value[value]]
@@ -134,7 +140,59 @@ def storage(view: GraphView, loops: dict[str, Loop] | None = None) -> tuple[Stor
             trips = total_trips(view, view.frames[write], loops)
             if size and trips and trips > 1 and view.ops[write] == "TensorArrayWriteV3":
                 found.append(Storage(write, tuple(sorted(reads)), trips * size, "tensor array", trips))
+    found.extend(lists.values())
     return tuple(sorted(found, key=lambda s: s.writer))
+
+
+LIST_LIKE = frozenset({"ZerosLike", "OnesLike"})  # of a TensorList: a list of as many new elements
+
+
+def whole_lists(view: GraphView) -> list[Storage]:
+    """The TensorLists made whole before a TensorFlow 2 loop reads them, which hold a buffer per
+    element: ``TensorListFromTensor`` copies each slice of its tensor into one (a tf_keras RNN's
+    inputs, and the gradient of its output sequence), and ``ZerosLike`` of such a list makes as
+    many zeros (the start of the inputs' gradient, which the gradient loop carries to an ``AddN``
+    after it). The list is a handle (a variant of no size), so without this its elements were
+    counted nowhere (QA: a tf_keras LSTM+GRU's lists held 1.25 MiB the model missed, and a plan
+    predicted at 10 MiB needed 12)::
+
+        x [32, 32, 128] -> TensorListFromTensor --> Enter -> ... GetItem(t) ...      32 buffers of 16 KiB
+                                    +-> ZerosLike --> Enter (gradient loop) ... Exit -> AddN
+                                                                                     32 more, to the AddN
+
+    Held from the maker to its last reader, through the loops the readers run in. An element read
+    from the list (``TensorListGetItem``) is the list's own buffer: a loop that pushes it for its
+    gradient keeps no copy, and the list's buffers are held until those pops (see :func:`storage`;
+    counted twice, a 32-step RNN's inputs were 0.5 MiB too many)."""
+    from lmscli.model.memmodel import rounded
+
+    maker = _list_maker
+    sizes: dict[int, tuple[int, int]] = {}  # maker -> (elements, bytes per element)
+    for i in range(view.size):
+        if view.ops[i] == "TensorListFromTensor" and not view.frames[i] and view.data_inputs[i]:
+            info = view.tensor(*view.data_inputs[i][0])
+            total = view.tensor_bytes(*view.data_inputs[i][0])
+            first = info.shape[0] if info is not None and info.shape else None
+            if total and isinstance(first, int) and first > 0:
+                sizes[i] = (first, total // first)
+    if not sizes:
+        return []
+    for i in range(view.size):  # (in graph order, a list's ZerosLike after the list's maker)
+        if view.ops[i] in LIST_LIKE and not view.frames[i] and view.data_inputs[i] and view.outputs(i) \
+                and view.outputs(i)[0].dtype == "variant":
+            made = sizes.get(maker(view, view.data_inputs[i][0][0]))
+            if made is not None:
+                sizes[i] = made
+    # Readers: the ops reading the list, and those handing it on (a list a loop passes on unread
+    # still lives until that loop's Exit)
+    readers: dict[int, set[int]] = {m: set() for m in sizes}
+    for i in range(view.size):
+        if i not in sizes and view.data_inputs[i]:
+            made = maker(view, view.data_inputs[i][0][0])
+            if made in readers:
+                readers[made].add(i)
+    return [Storage(m, tuple(sorted(readers[m])), n * rounded(per), "tensor list", n)
+            for m, (n, per) in sorted(sizes.items())]
 
 
 def notes(view: GraphView, active, loops: dict[str, Loop]) -> tuple[str, ...]:
@@ -170,6 +228,26 @@ def notes(view: GraphView, active, loops: dict[str, Loop]) -> tuple[str, ...]:
 
 
 # ---------------------------------------------------------------------------- internals
+def _list_maker(view: GraphView, node: int) -> int:
+    """The op that made the TensorList ``node`` passes on, through the loops' control flow ops and
+    the ``TensorListSetItem`` ops that change one of its elements in place."""
+    from lmscli.graph.loopvalues import PASS_THROUGH
+
+    seen = set()
+    while (view.ops[node] in PASS_THROUGH or view.ops[node] in ("Exit", "RefExit", "TensorListSetItem")) \
+            and view.data_inputs[node] and node not in seen:
+        seen.add(node)
+        node = view.data_inputs[node][0][0]
+    return node
+
+
+def _element_of(view: GraphView, node: int, output: int) -> int | None:
+    """For an element a ``TensorListGetItem`` reads (output 0), the op that made its list."""
+    if view.ops[node] != "TensorListGetItem" or output != 0 or not view.data_inputs[node]:
+        return None
+    return _list_maker(view, view.data_inputs[node][0][0])
+
+
 def _one_branch_per_cond(view: GraphView, found: list[Storage]) -> list[Storage]:
     """``found`` without the stacks that the smaller branch of a cond inside a loop pushes to. Each
     iteration runs one branch, so over the loop the branches share its trips; which way they
