@@ -309,11 +309,20 @@ def _short_paths(paths) -> tuple[str, list[str]]:
 
     if not paths:
         return "", []
-    folder = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in paths])
+
+    def shown(folder: str) -> str:
+        near = os.path.relpath(folder)
+        return folder if near.startswith("..") else near  # (outside the working folder: its whole path)
+
+    folders = [os.path.dirname(os.path.abspath(p)) for p in paths]
+    folder = os.path.commonpath(folders)
+    bases = [os.path.basename(p) for p in paths]
+    if os.path.dirname(folder) == folder and len(set(bases)) == len(bases):
+        # Nothing in common but the root: each graph by its file's name, and their folders said
+        # once (QA: "work/main/sa | mple_graphs/ | stack_rnn.me | ta" beside "graphs in /")
+        return ", ".join(dict.fromkeys(shown(f) for f in folders)), bases
     names = [os.path.relpath(os.path.abspath(p), folder) for p in paths]
-    shown = os.path.relpath(folder)
-    shown = folder if shown.startswith("..") else shown  # (outside the working folder: its whole path)
-    return ("" if shown == "." else shown), names
+    return ("" if shown(folder) == "." else shown(folder)), names
 
 
 def _render_needs(console, needs) -> None:

@@ -291,6 +291,8 @@ def test_measure_names_each_graph_below_their_common_folder(tmp_path, monkeypatc
         str(deep), ["unet_45MiB.meta", "embcond_70MiB.meta"])
     assert _short_paths(["graphs/a.meta", "graphs/b/c.meta"]) == ("graphs", ["a.meta", "b/c.meta"])
     assert _short_paths(["a.meta"]) == ("", ["a.meta"])
+    assert _short_paths(["/opt/models/a.meta", "/var/out/a.lms.meta"]) == (
+        "/opt/models, /var/out", ["a.meta", "a.lms.meta"])  # (nothing in common but the root)
 
 
 def test_measure_runs_an_unrelated_graphs_own_step(samples):
