@@ -454,3 +454,34 @@ def test_the_lists_a_tf2_loop_reads_whole_hold_every_element(v2_sequence_rnn):
         pushed = {view.names[view.data_inputs[s.writer][1][0]] for s in kept if s.kind == "stack"}
         assert pushed and not any(name.endswith("TensorListGetItem") for name in pushed)
 
+
+
+def test_what_a_tf2_loop_writes_to_a_tensor_array_is_held_until_it_is_stacked(v2_sequence_rnn, tmp_path):
+    """A TensorArray a TensorFlow 2 loop writes (``TensorListSetItem`` into a ``TensorListReserve``
+    list) keeps each iteration's value until it is stacked after the loop: counted as the loop's
+    storage, trips x value, unless a gradient stack keeps the value already (the sequence RNN's
+    states: counted once, with their stack). Before, per-step outputs the gradient does not need
+    (a projection of the state, as a decoder's logits) were counted for one iteration only."""
+    from lmscli.model.schedule import loop_storage
+
+    path = tmp_path / "proj.meta"
+    with v1_training_graph(path, control_flow_v2=True) as (tf, v1, graph):
+        init = v1.glorot_uniform_initializer(seed=1)
+        y = v1.placeholder(tf.float32, [24, 16, 96], name="labels")
+        u = v1.get_variable("u", [64, 64], initializer=init, use_resource=True)
+        v = v1.get_variable("v", [64, 96], initializer=init, use_resource=True)
+
+        def body(t, h, out):
+            h = tf.tanh(tf.matmul(h, u))
+            return t + 1, h, out.write(t, tf.matmul(h, v))
+
+        start = v1.placeholder(tf.float32, [16, 64], name="start")
+        _, _, out = tf.while_loop(lambda t, *_: t < 24, body,
+                                  [tf.constant(0), start, tf.TensorArray(tf.float32, size=24)])
+        graph.loss = tf.reduce_mean(tf.square(out.stack() - y))
+    view = api.prepare(api.load(str(path))).view
+    written = [s for s in loop_storage(view) if view.ops[s.writer] == "TensorListSetItem"]
+    assert [(s.num_bytes, s.trips, s.kind) for s in written] == [(24 * 16 * 96 * 4, 24, "tensor list")]
+    assert "TensorListStack" in {view.ops[r] for r in written[0].readers}
+    view = api.prepare(api.load(str(v2_sequence_rnn))).view
+    assert not [s for s in loop_storage(view) if view.ops[s.writer] == "TensorListSetItem"]

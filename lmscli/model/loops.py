@@ -141,7 +141,44 @@ def storage(view: GraphView, loops: dict[str, Loop] | None = None) -> tuple[Stor
             if size and trips and trips > 1 and view.ops[write] == "TensorArrayWriteV3":
                 found.append(Storage(write, tuple(sorted(reads)), trips * size, "tensor array", trips))
     found.extend(lists.values())
+    found.extend(_written_lists(view, seen, loops))
     return tuple(sorted(found, key=lambda s: s.writer))
+
+
+def _written_lists(view: GraphView, seen: set, loops: dict[str, Loop]) -> list[Storage]:
+    """TensorFlow 2's TensorArrays that a loop writes: a ``TensorListReserve`` made before the loop
+    and a ``TensorListSetItem`` per iteration, each keeping that iteration's value until the list
+    is read after the loop (stacked, gathered), as ``TensorArrayWriteV3`` does in a v1 loop. A
+    value a stack keeps too (``seen``: a state the gradient pops) is counted once, with the stack;
+    the others were counted nowhere (a decoder's per-step logits)::
+
+        TensorListReserve --> Enter -> ... SetItem(t, logits_t) ... Exit --> TensorListStack
+                                          held: trips x logits, to the stack"""
+    from lmscli.model.memmodel import rounded
+
+    writes: dict[int, list[int]] = {}  # the list's maker -> its writes in loops
+    for i in range(view.size):
+        if view.ops[i] == "TensorListSetItem" and view.frames[i] and len(view.data_inputs[i]) > 2:
+            made = _list_maker(view, view.data_inputs[i][0][0])
+            if view.ops[made] in ("TensorListReserve", "EmptyTensorList") and not view.frames[made]:
+                writes.setdefault(made, []).append(i)
+    if not writes:
+        return []
+    readers: dict[int, set[int]] = {m: set() for m in writes}
+    for i in range(view.size):
+        if view.data_inputs[i] and view.ops[i] != "TensorListSetItem":
+            made = _list_maker(view, view.data_inputs[i][0][0])
+            if made in readers:
+                readers[made].add(i)
+    out = []
+    for made, sets in sorted(writes.items()):
+        for write in sets:
+            value = _new_buffer_each_iteration(view, write, 2, seen)
+            size = view.tensor_bytes(*value) if value is not None else 0
+            trips = total_trips(view, view.frames[write], loops)
+            if size and trips and trips > 1:
+                out.append(Storage(write, tuple(sorted(readers[made])), trips * rounded(size), "tensor list", trips))
+    return out
 
 
 LIST_LIKE = frozenset({"ZerosLike", "OnesLike"})  # of a TensorList: a list of as many new elements
