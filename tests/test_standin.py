@@ -149,6 +149,10 @@ def test_an_out_of_memory_line_says_when_the_free_memory_was_in_pieces():
     assert _oom_message(line, "running the step", int(11.7 * MIB), None, int(11.56 * MIB)).endswith("in use)")
     assert full.endswith("failed (7.06 MiB in use)") and _oom_message(line, "running the step", 14 * MIB, None) \
         .endswith("in use)")
+    # A node TensorFlow added where it split the graph between the processes is named by its source
+    for added in ("update/truediv_1_S24", "_send_update/truediv_1_S24_0", "update/truediv_1/_332_S96"):
+        assert "allocating 4.50 MiB for a transfer of update/truediv_1 between the processes failed" in _oom_message(
+            line, "running the step", 10 * MIB, added), added
 
 
 def test_variables_are_read_after_the_steps_a_few_at_a_time():

@@ -555,7 +555,10 @@ def _oom_message(text: str, phase: str, limit_bytes: int | None, node: str | Non
     what = size.group(1) if size else (f"a {tensor.group(2)} tensor of shape [{tensor.group(1)}]" if tensor else None)
     detail = f"allocating {what}" if what else "an allocation"
     if node:
-        detail += f" for {node}"
+        # (a node TensorFlow adds where it splits the graph between the processes, "NAME_S24":
+        # QA r39 read it as a node of the graph that did not exist)
+        split = re.fullmatch(r"(?:_send_|_recv_)?(.+?)(?:/_\d+)?_S\d+(?:_\d+)?", node)
+        detail += f" for {node}" if split is None else f" for a transfer of {split.group(1)} between the processes"
     detail += " failed"
     if held:
         detail += f" ({held.group(1)})"
