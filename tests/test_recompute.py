@@ -100,6 +100,27 @@ def test_a_recomputation_frees_the_gap_and_costs_its_clones_time():
     assert made.swap_out_bytes == 0 and made.host_peak_bytes == 0 and made.recompute_bytes == 1000
 
 
+def test_a_source_the_clones_read_is_held_until_they_have_run():
+    """The simulator keeps a tensor the clones read until they have run, though the step itself
+    had no use for it after the original op: its buffer counts in between."""
+    from lmscli.model.schedule import Schedule, SimTensor
+
+    # a -> t0 (500 B) read by b only; b -> t1 (2000 B) read by c and e; c -> t2 -> d -> t3 -> e.
+    sched = Schedule(nodes=(0, 1, 2, 3, 4), names=("a", "b", "c", "d", "e"), ops=("Relu",) * 5,
+                     levels=(0, 1, 2, 3, 4), compute=(10,) * 5, on_gpu=(True,) * 5,
+                     tensors=(SimTensor(0, 0, 0, 500, (1,)), SimTensor(1, 1, 0, 2000, (2, 4)),
+                              SimTensor(2, 2, 0, 10, (3,)), SimTensor(3, 3, 0, 10, (4,)), SimTensor(4, 4, 0, 10, ())),
+                     inputs=((), (0,), (1,), (2,), (1, 3)), variable_bytes=0,
+                     constant_bytes=0).with_memory_model("executor")
+    base = simulate(sched)
+    made = simulate(sched, [SimSwap(1, (2,), (SwapIn((4,), 3),), kind="recompute", cost=4, chain=(1,))])
+    # (t3 is written over t2, in place: 256 B for both)
+    assert base.memory_by_position[2] == 2048 + 256  # t1 and t2 while c runs; t0 went after b
+    assert made.memory_by_position[2] == 2048 + 256 + 512  # t0 held for the clone of b
+    assert made.memory_by_position[3] == 256 + 512 + 2048  # after d: the clone makes t1 again from t0
+    assert made.memory_by_position[4] == 2048 + 256  # t0 freed once the clone has run
+
+
 def test_recipes_clone_cheap_chains_and_never_random_or_stateful_ops(cnn):
     """Batch norm and relu are made again together (Grappler fuses them), from the convolution's
     output; a convolution's output is made again from its input and filter, at its FLOPs' time; the
@@ -372,3 +393,37 @@ def test_the_hybrid_also_tries_making_again_every_tensor_it_can(cnn):
     assert all(s.recompute for s in swaps if s.tensor in ctx.recipes)  # a swap only where nothing makes it again
     hybrid = api.tune(prepared, device, check=False)
     assert hybrid.result.step_time <= result.step_time + 1e-9
+
+
+def test_attention_scores_are_made_again_from_queries_and_keys_kept_for_them(tmp_path):
+    """A transformer's attention probabilities (the largest tensors of its forward pass) are made
+    again from its queries and keys, which the step itself drops after the forward pass: the plan
+    keeps them until the clones have run (half a MiB each for a 1 MiB softmax), the simulator
+    holds them that long, and training is bit-identical. Before, no recipe had its sources on the
+    GPU then, and a recompute-only plan stopped at the backward pass's first layer."""
+    from tests.conftest import load_generator
+    from lmscli.model.simulator import clone_sources
+    from lmscli.plan.recompute import Buffers
+
+    path = tmp_path / "transformer.meta"
+    path.write_bytes(load_generator().build("transformer", batch=4, d_model=128, ffn=512, heads=4, layers=2,
+                                            seq=128).SerializeToString(deterministic=True))
+    model = api.load(str(path))
+    prepared = api.prepare(model)
+    device = api.make_device(gpu_mem=21 << 20, reserve=0.0)
+    result = api.tune(prepared, device, TuneOptions(strategy="recompute"))
+    assert result.fits
+    schedule = prepared.schedule
+    index = {name: k for k, name in enumerate(schedule.names)}
+    probs = [r for r in result.plan.recomputes if r.tensor.endswith("attention/probs:0")]
+    assert probs
+    buffers = Buffers(schedule)
+    for r in probs:
+        chain = tuple(sorted(index[op] for op in r.ops))
+        trigger = index[r.groups[0].trigger]
+        made = next(t.id for t in schedule.tensors if t.producer == chain[-1])
+        sources = clone_sources(schedule, SimSwap(made, (), (), kind="recompute", chain=chain))
+        assert sources and not any(buffers.alive(s, trigger, made) for s in sources)  # kept for the clones
+        assert all(schedule.tensors[s].num_bytes <= schedule.tensors[made].num_bytes // 2 for s in sources)
+    new_graph, _ = api.rewrite(prepared, result.plan)
+    _identical(model, new_graph)

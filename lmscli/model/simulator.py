@@ -303,17 +303,48 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
     )
 
 
+def clone_sources(schedule: Schedule, swap: SimSwap) -> tuple[int, ...]:
+    """The tensors the clones of a recomputation read from outside their chain: its sources."""
+    chain = set(swap.chain)
+    return tuple(sorted({tid for k in swap.chain for tid in schedule.inputs[k]
+                         if schedule.tensors[tid].producer not in chain}))
+
+
+def _read_by_clones(schedule, swap_of, in_end) -> dict[int, int]:
+    """Per tensor the clones of a recomputation read where it is (not from a swap-in), when the
+    last of those clones ends: its buffer is held until then. A recipe may read a source the
+    step no longer needs by then (a transformer's attention scores made again from its queries
+    and keys, which the step dropped after the forward pass)::
+
+        q, k --> QK^T --> softmax --> ... backward ... clones(q, k) --> softmax' --> its gradient
+                 q and k held until the clones have run
+    """
+    held: dict[int, tuple[int, int]] = {}  # tensor -> (time, order) the last clones reading it end
+    for tid, swap in swap_of.items():
+        if not swap.recompute:
+            continue
+        via = {s for s, _g in swap.via}
+        for src in clone_sources(schedule, swap):
+            if src in via or src in swap_of:
+                continue
+            for g, group in enumerate(swap.groups):
+                held[src] = max(held.get(src, (0, 0)), (in_end[(tid, g)], 4 * group.trigger + 3))
+    return held
+
+
 def _grappler_events(schedule, swap_of, start, end, out_start, out_end, in_start, in_end):
     """Memory events of Grappler's accounting: every output a tensor of its own, live from its
-    producer's start to its last consumer's end; at one instant allocations come first."""
+    producer's start to its last consumer's end (or the end of the clones that read it); at one
+    instant allocations come first."""
     events = []
+    held = _read_by_clones(schedule, swap_of, in_end)
     for t in schedule.tensors:
         p = t.producer
         swap = swap_of.get(t.id)
         events.append((start[p], 0, 1, t.id, t.num_bytes))
         if swap is None:
             last = t.consumers[-1] if t.consumers else p
-            events.append((end[last], 1, 1, t.id, -t.num_bytes))
+            events.append((max(end[last], held.get(t.id, (0, 0))[0]), 1, 1, t.id, -t.num_bytes))
             continue
         free_at = max([out_end[t.id]] + [end[c] for c in swap.near])
         events.append((free_at, 1, 1, t.id, -t.num_bytes))
@@ -398,6 +429,10 @@ def _executor_events(schedule, swap_of, start, end, out_start, out_end, in_start
                         break
         buffer_of[t.id] = key
         free[key] = max(free.get(key, (0, 0)), use_end(t))
+    for src, until in _read_by_clones(schedule, swap_of, in_end).items():
+        key = buffer_of.get(src)
+        if key is not None:  # (held until the clones reading it have run)
+            free[key] = max(free[key], until)
     events = []
     for tid in sorted(swap_of):
         for g, group in enumerate(swap_of[tid].groups):

@@ -377,6 +377,7 @@ class _Choice:
     recipe: object = None  # a recomputation: the recipe it runs
     cost: int = 0  # predicted microseconds the choice adds to the step
     companions: tuple = ()  # swaps of the other tensors sharing its buffer, made with it (size 0)
+    holds: tuple = ()  # a recomputation: (first, last, bytes) of sources kept for its clones beyond their last use
     replaces: "_Choice | None" = None  # a chosen swap of the same tensor this one brings back later
     adds: bool = False  # a chosen swap brought back once more (:func:`_second_swap_in`): its old span stays free
 
@@ -503,15 +504,42 @@ def _gap_recompute(ctx: _Context, cand: Candidate, p: int, result: SimResult, ch
     lo = bisect.bisect_left(starts, result.ends[near[-1] if near else t.producer])
     if not (lo <= p <= trig):
         return None
-    for recipe in recipes:  # the shortest whose sources are all on the GPU when the clones run
-        if (all(ctx.buffers.alive(s, trig, t.id) and not any(m in chosen for m in ctx.buffers.group(s))
-                for s in recipe.sources)
-                and all(w > trig and branch_safe(ctx.tags[trig], ctx.tags[w]) for w in recipe.writers)
-                and not any(s in chosen for s in recipe.small)):
-            swap = SimSwap(t.id, tuple(near), (SwapIn(tuple(far), trig),), waiters=recipe.writers, kind="recompute",
-                           cost=recipe.cost, extra=recipe.extra, chain=recipe.positions)
+    # The shortest recipe whose sources are all on the GPU when the clones run; else the shortest
+    # whose sources the step has dropped by then can be kept that long for less than it frees.
+    held_choice = None
+    for recipe in recipes:
+        if (any(any(m in chosen for m in ctx.buffers.group(s)) for s in recipe.sources)
+                or not all(w > trig and branch_safe(ctx.tags[trig], ctx.tags[w]) for w in recipe.writers)
+                or any(s in chosen for s in recipe.small)):
+            continue
+        dropped = [s for s in recipe.sources if not ctx.buffers.alive(s, trig, t.id)]
+        swap = SimSwap(t.id, tuple(near), (SwapIn(tuple(far), trig),), waiters=recipe.writers, kind="recompute",
+                       cost=recipe.cost, extra=recipe.extra, chain=recipe.positions)
+        if not dropped:
             return _Choice(swap, lo, trig, t.num_bytes, 0, recipe, recipe.cost)
-    return None
+        if held_choice is None:
+            holds = _holds(ctx, dropped, t.id, trig)
+            if holds is not None and sum(h[2] for h in holds) <= HOLD_SHARE * t.num_bytes:
+                held_choice = _Choice(swap, lo, trig, t.num_bytes, 0, recipe, recipe.cost, holds=holds)
+    return held_choice
+
+
+HOLD_SHARE = 0.5  # sources kept for a recomputation beyond their last use: at most this share of what it frees
+
+
+def _holds(ctx: _Context, sources, made: int, trig: int):
+    """``(first, last, bytes)`` per buffer of ``sources`` kept from after its last use until the
+    clones run when ``trig`` ends (the simulator holds it so: ``_read_by_clones``); None when one
+    shares the buffer of the tensor ``made`` again (keeping it would free nothing)."""
+    spans = {}
+    for s in sources:
+        group = ctx.buffers.group(s)
+        if not group or made in group:
+            return None
+        root = ctx.buffers.root[s]
+        last = max(ctx.buffers.last[m] for m in group)
+        spans[root] = (last + 1, trig, ctx.schedule.tensors[root].num_bytes)
+    return tuple(spans[r] for r in sorted(spans))
 
 
 def _link_busy(result: SimResult) -> int:
@@ -667,6 +695,8 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
             if best.recipe is not None:  # its sources, and what shares their buffers, stay as they are
                 held.update(m for src in best.recipe.sources + best.recipe.small for m in ctx.buffers.group(src))
             profile[best.lo: best.hi + 1] -= best.size
+            for first, last, size in best.holds:
+                profile[first: last + 1] += size
             if profile[p] <= budget_act:
                 break
     else:  # pragma: no cover - bounded loop
@@ -677,6 +707,8 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
         c = chosen[tid]
         trial = profile.copy()
         trial[c.lo: c.hi + 1] += c.size
+        for first, last, size in c.holds:
+            trial[first: last + 1] -= size
         if trial.max() <= budget_act:
             check = _judge(ctx, (x.swap for t2, x in chosen.items() if t2 != tid))
             if check.peak <= budget_act:
@@ -732,6 +764,7 @@ def _ranked_choices(ctx: _Context, chosen: dict, p: int, judged: _Judged, clippe
             continue
         choice = min(options, key=lambda c: (c.cost, c.recipe is not None))
         covered = int(np.minimum(clipped[choice.lo: choice.hi + 1], choice.size).sum())
+        covered -= sum(int(np.minimum(clipped[first: last + 1], size).sum()) for first, last, size in choice.holds)
         ranked.append(((choice.cost == 0, covered, -choice.cost, -choice.size, -tid), choice))
     ranked.sort(key=lambda x: x[0], reverse=True)
     if ranked:

@@ -13,7 +13,9 @@ before ``t``'s far consumers makes ``t`` again, bit for bit, when:
   has updated yet when the clones run (the ops that update it are made to wait for the clones,
   which is possible only when they run after the trigger; checked per plan), or an activation
   whose buffer is still on the GPU when the clones run (checked per plan: not swapped, not made
-  again itself, and read by an op after the clones);
+  again itself, and read by an op after the clones, or kept for the clones beyond its last use
+  where that holds at most half the bytes the recomputation frees: a transformer's attention
+  probabilities made again from its queries and keys);
 * Grappler's optimizations make the same kernels of the clones as of the originals: an edge the
   remapper fuses (batch norm into activation, ...) is never cut, the chain takes in its producer
   instead; nodes the optimizations remove are never read. The optimizer guard checks every plan.
