@@ -1648,8 +1648,9 @@ def _sources_back(ctx: _Context, recipe, current: dict, trig: int, result: SimRe
                   need: frozenset = frozenset()):
     """How the clones of ``recipe`` (run when ``trig`` ends) find each source on the GPU:
     ``(via, moved)``, the ``(tensor, group)`` swap-ins they read and the swaps whose next swap-in
-    must start earlier for it (tensor -> SimSwap), the other sources being still there; None when
-    a source is gone (recomputed, or swapped with no swap-in to bring it back then). The swap-ins
+    must start earlier for it (tensor -> SimSwap), the other sources being still there or kept for
+    the clones (:func:`_holds`, within :data:`HOLD_SHARE`); None when a source is gone (recomputed,
+    or swapped with no swap-in to bring it back then). The swap-ins
     read run outside cond branches or in ``need`` (the clones' readers' and waiters' branches).
 
     A swap-in that comes after the clones is started earlier, early enough on the link to be back
@@ -1659,11 +1660,14 @@ def _sources_back(ctx: _Context, recipe, current: dict, trig: int, result: SimRe
         ReluGrad(relu)  (relu swapped)      ->    ReluGrad(clone)
     """
     via, moved = [], {}
+    dropped = []
     for s in recipe.sources:
         other = current.get(s)
         if other is None:
-            if not ctx.buffers.alive(s, trig, made) or any(m in current for m in ctx.buffers.group(s)):
-                return None  # gone by then without the tensor made again, or sharing a swapped buffer
+            if any(m in current for m in ctx.buffers.group(s)):
+                return None  # sharing a swapped buffer
+            if not ctx.buffers.alive(s, trig, made):
+                dropped.append(s)  # gone by then: kept for the clones, if that costs little (below)
             continue
         if other.recompute or other.sync_out:
             return None
@@ -1694,6 +1698,10 @@ def _sources_back(ctx: _Context, recipe, current: dict, trig: int, result: SimRe
         groups[g] = SwapIn(group.consumers, start)
         moved[s] = replace(other, groups=tuple(groups))
         via.append((s, g))
+    if dropped:
+        holds = _holds(ctx, dropped, made, trig)
+        if holds is None or sum(h[2] for h in holds) > HOLD_SHARE * ctx.schedule.tensors[made].num_bytes:
+            return None
     return tuple(via), moved
 
 
