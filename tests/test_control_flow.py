@@ -242,6 +242,31 @@ def test_loops_are_counted_with_their_trip_counts(samples):
     assert "8 iterations" in notes and "Less(counter, 8)" in notes
 
 
+@pytest.mark.parametrize("control_flow_v2", [False, True], ids=["v1", "v2"])
+def test_a_loop_the_data_ends_is_counted_with_its_maximum_iterations(tmp_path, control_flow_v2):
+    """A loop running while ``i < sum(mask)``, at most 24 times (``maximum_iterations``): what the
+    mask holds is the step's data, so the count is the maximum, an upper bound the analysis names
+    as one (QA: computed from a zero mask, the loop was counted as running 0 times, the graph was
+    said to fit without swapping at 34 MiB, and it needed 52)."""
+    from lmscli.model import loops
+
+    with v1_training_graph(tmp_path / "varlen.meta", control_flow_v2=control_flow_v2) as (tf, v1, graph):
+        mask = v1.placeholder(tf.int32, [16, 24], name="mask")
+        w = v1.get_variable("w", [32, 32], initializer=v1.glorot_uniform_initializer(seed=1), use_resource=True)
+        n = tf.reduce_sum(mask[0])
+
+        def body(i, h):
+            return [i + 1, tf.tanh(tf.matmul(h, w))]
+
+        _, h = tf.while_loop(lambda i, h: i < n, body, [tf.constant(0), tf.ones([16, 32])], maximum_iterations=24)
+        graph.loss = tf.reduce_mean(h)
+    prepared = api.prepare(api.load(str(tmp_path / "varlen.meta")))
+    counted = loops.trip_counts(prepared.view)
+    assert sorted(loop.trips for loop in counted.values()) == [24, 24]
+    notes = " ".join(api.analyze(prepared).notes)
+    assert "24 iterations (at most 24" in notes and "may end it sooner" in notes
+
+
 def test_a_scattered_tensor_array_is_one_allocation_per_element(samples):
     """TensorArrayScatterV3 copies each element of its value into a buffer of its own (seen on
     the stand-in: 128 allocations of 16 KiB for a [128, 64, 64] input), and the allocator model

@@ -92,6 +92,33 @@ def value_before_the_step(view: GraphView, node: int, output: int):
     return evaluator._const(node) if view.ops[node] == "Const" else evaluator._run(node, output)
 
 
+SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})  # read a tensor's shape, not its values
+VALUE_LEAVES = frozenset({"Placeholder", "PlaceholderWithDefault", "PlaceholderV2", "VarHandleOp", "VariableV2",
+                          "Variable", "ReadVariableOp"})
+
+
+def _reads_values(view: GraphView, node: int) -> bool:
+    """Does ``node`` depend on what a placeholder or a variable holds (not just its shape)? Then the
+    step's data decides it, and computing it from zeros would be wrong (QA: a loop running while
+    ``i < sum(mask)``, at most 128 times, was counted as running 0 times)::
+
+        mask (Placeholder) -> Sum -> Less(i, .)      the values: unknown
+        x (Placeholder) -> Shape -> StridedSlice     the shape: known
+    """
+    stack, seen = [node], set()
+    while stack:
+        i = stack.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        if view.ops[i] in VALUE_LEAVES:
+            return True
+        if view.ops[i] in SHAPE_OPS:
+            continue
+        stack.extend(src for src, _output in view.data_inputs[i])
+    return False
+
+
 class Evaluator:
     """Values of loop-invariant tensors: constants read from the graph, anything else computed by
     TensorFlow from the placeholders' static shapes (zeros; None when that fails)."""
@@ -136,7 +163,7 @@ class Evaluator:
         tf = tensorflow()
         view = self.view
         needed = view.ancestors([node])
-        if any(view.frames[i] for i in needed):
+        if any(view.frames[i] for i in needed) or _reads_values(view, node):
             return None
         try:
             from tensorflow.core.framework import graph_pb2

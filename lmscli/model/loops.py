@@ -653,7 +653,13 @@ def _bound(view: GraphView, node: int, frame: str, evaluator) -> tuple[int | Non
     if op in ("LogicalAnd",):
         found = [_bound(view, src, frame, evaluator) for src, _ in view.data_inputs[node]]
         known = [f for f in found if f[0] is not None]
-        return min(known) if known else (None, found[0][1] if found else "empty condition")
+        if not known:
+            return None, found[0][1] if found else "empty condition"
+        trips, how = min(known)
+        if len(known) < len(found):  # (an upper bound: the other tests may end the loop sooner)
+            other = next(f[1] for f in found if f[0] is None)
+            how = f"at most {trips} ({how}); the rest of its condition may end it sooner: {other}"
+        return trips, how
     if op in ("Identity",) and view.data_inputs[node]:
         return _bound(view, view.data_inputs[node][0][0], frame, evaluator)
     if op not in COMPARISONS or len(view.data_inputs[node]) != 2:
