@@ -451,6 +451,7 @@ def test_the_lists_a_tf2_loop_reads_whole_hold_every_element(v2_sequence_rnn):
             assert (s.num_bytes, s.trips) == (48 * 64 * 1024, 48)
         assert "TensorListGetItem" in {view.ops[r] for r in grads.readers}
         assert any(view.ops[r] == "TensorListPopBack" and "while_grad" in view.names[r] for r in inputs.readers)
+        assert "ZerosLike" in {view.ops[r] for r in inputs.readers}  # (the zeros of its gradient: made late)
         pushed = {view.names[view.data_inputs[s.writer][1][0]] for s in kept if s.kind == "stack"}
         assert pushed and not any(name.endswith("TensorListGetItem") for name in pushed)
 
