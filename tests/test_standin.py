@@ -149,6 +149,8 @@ def test_an_out_of_memory_line_says_when_the_free_memory_was_in_pieces():
     assert _oom_message(line, "running the step", int(11.7 * MIB), None, int(11.56 * MIB)).endswith("in use)")
     assert full.endswith("failed (7.06 MiB in use)") and _oom_message(line, "running the step", 14 * MIB, None) \
         .endswith("in use)")
+    assert "allocating 48.00 KiB for c2/Conv2D failed" in _oom_message(  # (in lms's units, not TensorFlow's "48.0KiB")
+        "ran out of memory trying to allocate 48.0KiB", "running the step", 10 * MIB, "c2/Conv2D")
     # A node TensorFlow added where it split the graph between the processes is named by its source
     for added in ("update/truediv_1_S24", "_send_update/truediv_1_S24_0", "update/truediv_1/_332_S96"):
         assert "allocating 4.50 MiB for a transfer of update/truediv_1 between the processes failed" in _oom_message(

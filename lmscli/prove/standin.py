@@ -543,6 +543,16 @@ def _mib(num_bytes: int | None) -> str:
     return "no limit" if num_bytes is None else f"{num_bytes / MIB:,.0f} MiB"
 
 
+def _same_units(size: str) -> str:
+    """A size as TensorFlow's allocator writes it ("48.0KiB") as lms writes sizes ("48.00 KiB")."""
+    from lmscli.units import parse_size
+
+    try:
+        return format_size(parse_size(size))
+    except Exception:
+        return size
+
+
 def _oom_message(text: str, phase: str, limit_bytes: int | None, node: str | None,
                  need_bytes: int | None = None) -> str:
     """One line from the allocator's log line, TensorFlow's OOM error, or the watch's own finding.
@@ -552,7 +562,8 @@ def _oom_message(text: str, phase: str, limit_bytes: int | None, node: str | Non
     size = re.search(r"to allocate ([\d.]+ ?[KMGT]?i?B|\S+)", text)
     tensor = re.search(r"shape\[([^\]]*)\] and type (\w+)", text)
     held = re.search(r"with (.+ in use)", text)
-    what = size.group(1) if size else (f"a {tensor.group(2)} tensor of shape [{tensor.group(1)}]" if tensor else None)
+    what = _same_units(size.group(1)) if size else (
+        f"a {tensor.group(2)} tensor of shape [{tensor.group(1)}]" if tensor else None)
     detail = f"allocating {what}" if what else "an allocation"
     if node:
         # (a node TensorFlow adds where it splits the graph between the processes, "NAME_S24":
