@@ -484,9 +484,15 @@ def _swap_in_trigger(ctx: _Context, far: tuple[int, ...], earliest: int, transfe
     return trig, max(0, transfer - (starts[v] - ends[trig]))
 
 
-def _gap_recompute(ctx: _Context, cand: Candidate, p: int, result: SimResult, chosen: dict) -> _Choice | None:
+def _gap_recompute(ctx: _Context, cand: Candidate, p: int, result: SimResult, chosen: dict,
+                   hold: bool = False) -> _Choice | None:
     """Make ``cand`` again across position ``p``: the original for uses before p, clones of a
-    recipe (run when the latest ancestor of the first later use ends) for the uses after p."""
+    recipe (run when the latest ancestor of the first later use ends) for the uses after p.
+    ``hold``: a recipe may keep sources the step has dropped by then (:func:`_holds`); the greedy
+    hybrid does not (its per-tensor costs then chose many costly recomputations over swaps the
+    link hid: a transformer's step at 75% on PCIe 3 went from +5% to +17%), but it takes the
+    recompute-only plan when that is faster, and turns swaps into such recomputations when that
+    shortens the judged step (:func:`_with_recomputations`)."""
     recipes = ctx.recipes.get(cand.tensor)
     if not recipes:
         return None
@@ -517,7 +523,7 @@ def _gap_recompute(ctx: _Context, cand: Candidate, p: int, result: SimResult, ch
                        cost=recipe.cost, extra=recipe.extra, chain=recipe.positions)
         if not dropped:
             return _Choice(swap, lo, trig, t.num_bytes, 0, recipe, recipe.cost)
-        if held_choice is None:
+        if held_choice is None and hold:
             holds = _holds(ctx, dropped, t.id, trig)
             if holds is not None and sum(h[2] for h in holds) <= HOLD_SHARE * t.num_bytes:
                 held_choice = _Choice(swap, lo, trig, t.num_bytes, 0, recipe, recipe.cost, holds=holds)
@@ -753,7 +759,7 @@ def _ranked_choices(ctx: _Context, chosen: dict, p: int, judged: _Judged, clippe
                                              busy, compute)
                 options.append(choice)
         if "recompute" in modes:
-            choice = _gap_recompute(ctx, ctx.cands[tid], p, result, chosen)
+            choice = _gap_recompute(ctx, ctx.cands[tid], p, result, chosen, hold="swap" not in modes)
             if choice is not None:
                 options.append(choice)
         options = [c for c in options if all(_helps_instantly(ctx, x.swap, p, judged.instant)
