@@ -310,7 +310,7 @@ def clone_sources(schedule: Schedule, swap: SimSwap) -> tuple[int, ...]:
                          if schedule.tensors[tid].producer not in chain}))
 
 
-def _read_by_clones(schedule, swap_of, in_end) -> dict[int, int]:
+def _read_by_clones(schedule, swap_of, in_end) -> dict[int, tuple[int, int]]:
     """Per tensor the clones of a recomputation read where it is (not from a swap-in), when the
     last of those clones ends: its buffer is held until then. A recipe may read a source the
     step no longer needs by then (a transformer's attention scores made again from its queries
