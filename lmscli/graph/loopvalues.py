@@ -12,10 +12,11 @@ POP_OPS = frozenset({"StackPopV2", "StackPop", "TensorListPopBack"})
 PASS_THROUGH = frozenset({"Enter", "RefEnter", "Identity", "Switch", "Merge"})
 
 
-def source(view: GraphView, node: int, through_exit: bool = False) -> int:
-    """The node a handle or value comes from, through Enter/Identity/Switch/Merge (and Exit)."""
+def source(view: GraphView, node: int, through_exit: bool = False, also: frozenset = frozenset()) -> int:
+    """The node a handle or value comes from, through Enter/Identity/Switch/Merge (and Exit, and
+    the ops of ``also``, following their first input)."""
     seen = set()
-    passing = PASS_THROUGH | {"Exit"} if through_exit else PASS_THROUGH
+    passing = (PASS_THROUGH | {"Exit"} if through_exit else PASS_THROUGH) | also
     while view.ops[node] in passing and view.data_inputs[node] and node not in seen:
         seen.add(node)
         node = view.data_inputs[node][0][0]

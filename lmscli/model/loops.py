@@ -164,12 +164,7 @@ def _written_lists(view: GraphView, seen: set, loops: dict[str, Loop]) -> list[S
                 writes.setdefault(made, []).append(i)
     if not writes:
         return []
-    readers: dict[int, set[int]] = {m: set() for m in writes}
-    for i in range(view.size):
-        if view.data_inputs[i] and view.ops[i] != "TensorListSetItem":
-            made = _list_maker(view, view.data_inputs[i][0][0])
-            if made in readers:
-                readers[made].add(i)
+    readers = _list_readers(view, writes, skip_ops=frozenset({"TensorListSetItem"}))
     out = []
     for made, sets in sorted(writes.items()):
         for write in sets:
@@ -206,7 +201,6 @@ def whole_lists(view: GraphView) -> list[Storage]:
     counted twice, a 32-step RNN's inputs were 0.5 MiB too many)."""
     from lmscli.model.memmodel import rounded
 
-    maker = _list_maker
     sizes: dict[int, tuple[int, int]] = {}  # maker -> (elements, bytes per element)
     for i in range(view.size):
         if view.ops[i] == "TensorListFromTensor" and not view.frames[i] and view.data_inputs[i]:
@@ -220,17 +214,10 @@ def whole_lists(view: GraphView) -> list[Storage]:
     for i in range(view.size):  # (in graph order, a list's ZerosLike after the list's maker)
         if view.ops[i] in LIST_LIKE and not view.frames[i] and view.data_inputs[i] and view.outputs(i) \
                 and view.outputs(i)[0].dtype == "variant":
-            made = sizes.get(maker(view, view.data_inputs[i][0][0]))
+            made = sizes.get(_list_maker(view, view.data_inputs[i][0][0]))
             if made is not None:
                 sizes[i] = made
-    # Readers: the ops reading the list (a ZerosLike of it too: it may run long after the loop),
-    # and those handing it on (a list a loop passes on unread still lives until that loop's Exit)
-    readers: dict[int, set[int]] = {m: set() for m in sizes}
-    for i in range(view.size):
-        if view.data_inputs[i] and (i not in sizes or view.ops[i] in LIST_LIKE):
-            made = maker(view, view.data_inputs[i][0][0])
-            if made in readers and made != i:
-                readers[made].add(i)
+    readers = _list_readers(view, sizes)  # (a ZerosLike of a list too: it may run long after the loop)
     return [Storage(m, tuple(sorted(readers[m])), n * rounded(per), "tensor list", n)
             for m, (n, per) in sorted(sizes.items())]
 
@@ -271,14 +258,20 @@ def notes(view: GraphView, active, loops: dict[str, Loop]) -> tuple[str, ...]:
 def _list_maker(view: GraphView, node: int) -> int:
     """The op that made the TensorList ``node`` passes on, through the loops' control flow ops and
     the ``TensorListSetItem`` ops that change one of its elements in place."""
-    from lmscli.graph.loopvalues import PASS_THROUGH
+    return source(view, node, through_exit=True, also=frozenset({"TensorListSetItem"}))
 
-    seen = set()
-    while (view.ops[node] in PASS_THROUGH or view.ops[node] in ("Exit", "RefExit", "TensorListSetItem")) \
-            and view.data_inputs[node] and node not in seen:
-        seen.add(node)
-        node = view.data_inputs[node][0][0]
-    return node
+
+def _list_readers(view: GraphView, makers, skip_ops: frozenset = frozenset()) -> dict[int, set[int]]:
+    """Per list maker of ``makers``, the ops reading its list (through the ops that hand it on,
+    which count as readers too: a list a loop passes on unread lives until that loop's Exit),
+    other than the maker itself and ops of ``skip_ops``."""
+    readers: dict[int, set[int]] = {m: set() for m in makers}
+    for i in range(view.size):
+        if view.data_inputs[i] and view.ops[i] not in skip_ops:
+            made = _list_maker(view, view.data_inputs[i][0][0])
+            if made in readers and made != i:
+                readers[made].add(i)
+    return readers
 
 
 def _element_of(view: GraphView, node: int, output: int) -> int | None:
