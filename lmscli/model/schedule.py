@@ -34,6 +34,7 @@ class SimTensor:
     consumers: tuple[int, ...]  # positions of the ops reading it, sorted, unique
     pieces: int = 1  # allocations it stands for: what a loop keeps, one per iteration (up to MAX_PIECES)
     least_bytes: int | None = None  # what a loop keeps at least, if less (lmscli.model.loops.Storage.least_bytes)
+    filled_in: str = ""  # the while-loop frame whose iterations make its pieces, one each ("": made at once)
 
     @property
     def floor_bytes(self) -> int:
@@ -155,7 +156,7 @@ class Schedule:
             new_id[t.id] = len(tensors)
             tensors.append(SimTensor(len(tensors), new_pos[t.producer], t.output, t.num_bytes,
                                      tuple(sorted(new_pos[c] for c in t.consumers if c not in drop_positions)),
-                                     t.pieces, t.least_bytes))
+                                     t.pieces, t.least_bytes, t.filled_in))
         inputs = tuple(tuple(new_id[tid] for tid in self.inputs[pos] if tid in new_id) for pos in kept)
         pick = lambda values: tuple(values[pos] for pos in kept) if values else values  # noqa: E731
         ahead = []
@@ -436,7 +437,7 @@ def loop_counts(view: GraphView):
 
 
 def _add_storage(tensors: list, inputs: list, pos: int, kept, position: dict, n: int, loop_end: int = -1,
-                 reader_ends: tuple = (), value: bool = False) -> None:
+                 reader_ends: tuple = (), value: bool = False, filled_in: str = "") -> None:
     """A tensor of ``kept.num_bytes`` made at ``pos`` (a push, a TensorArray write) and read by the
     pops or reads of the same stack or array (the last op of the step when none runs), and held
     at least to ``loop_end``, the last op of the loop it is filled in (outermost, for nested loops),
@@ -452,7 +453,8 @@ def _add_storage(tensors: list, inputs: list, pos: int, kept, position: dict, n:
     A stack nothing pops is held to the end of the step (it is a resource of the step); a
     TensorList nothing pops (``value``: an accumulator the gradient does not need) only to the
     end of its loop, when the list is dropped (QA: a GRU's 18.75 MiB of unpopped accumulators
-    counted at a peak that never held them, 51 MiB predicted, 33 measured).
+    counted at a peak that never held them, 51 MiB predicted, 33 measured). ``filled_in``: the
+    loop frame whose iterations make its pieces (:func:`lmscli.model.memmodel.in_pieces`).
     """
     readers = {position[r] for r in kept.readers if r in position and position[r] > pos}
     if readers and loop_end > pos:
@@ -464,7 +466,7 @@ def _add_storage(tensors: list, inputs: list, pos: int, kept, position: dict, n:
     readers = tuple(sorted(readers)) or (n - 1,)
     tid = len(tensors)
     tensors.append(SimTensor(tid, pos, STORAGE_OUTPUT, kept.num_bytes, readers, max(1, min(kept.trips, MAX_PIECES)),
-                             kept.least_bytes))
+                             kept.least_bytes, filled_in))
     for reader in readers:
         inputs[reader].append(tid)
 
@@ -493,7 +495,7 @@ def _describe(view: GraphView, order: list[int], cost: dict, on_gpu: list[bool],
             reader_ends = tuple(loop_end.get(view.outermost(view.frames[r]), -1) for r in kept[i].readers
                                 if view.frames[r])
             _add_storage(tensors, inputs, pos, kept[i], position, len(order), end, reader_ends,
-                         view.ops[i].startswith("TensorList"))
+                         view.ops[i].startswith("TensorList"), view.frames[i] or "")
         is_const = view.ops[i] in CONSTANT_OPS
         by_output: dict[int, set[int]] = {}
         for dst, _port, output in view.consumers[i]:
