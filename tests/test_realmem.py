@@ -617,6 +617,40 @@ def test_the_judges_runs_are_told_under_both_limits():
     assert failed.startswith("5 run(s) of 2 step(s) under 20.00 MiB and 1 under 19.00 MiB: under 19.00 MiB")
 
 
+def test_the_verdict_says_when_the_run_under_the_limit_differs_from_the_rewrites_own():
+    """QA r40: verify printed "rewritten: trains at 26.00 MiB, bit-identical" while a note said the
+    rewrite's results under the limit differed from its own without one (another allocator: other
+    buffer addresses, other code paths in some kernels). The verdict says so itself, and the JSON
+    document carries the difference; identical runs keep the plain verdict."""
+    import numpy as np
+
+    from lmscli.prove.realmem import prove_at_limit
+    from lmscli.prove.standin import StepVerdict
+    from lmscli.prove.steps import StepRun
+
+    def run(loss: float) -> StepRun:
+        return StepRun((np.float32(loss),), {"w:0": np.array([loss], np.float32)}, {})
+
+    original, rewritten = (api.load(str(SAMPLES / "mlp.meta")) for _ in range(2))
+
+    class StandIn:
+        def __init__(self, squeezed: float):
+            self.squeezed = squeezed
+
+        def run(self, meta, fetches, limit, **_):
+            fits = limit is None or meta is rewritten.meta_graph
+            result = (run(0.5) if limit is None else run(self.squeezed)) if fits else None
+            return StepVerdict(fits, limit, 1, 0 if fits else 1, False, None, None, result, 0.0)
+
+    differs = prove_at_limit(original, rewritten, 12 * MIB, loss="loss:0", stand_in=StandIn(0.50000006))
+    assert differs.proven and differs.limited_difference
+    assert differs.line().startswith("original: out of memory at 12.00 MiB; rewritten: trains at 12.00 MiB, "
+                                     "bit-identical without a limit (under it, the rewrite's results differ")
+    assert differs.to_dict()["limited_difference"] == differs.limited_difference
+    same = prove_at_limit(original, rewritten, 12 * MIB, loss="loss:0", stand_in=StandIn(0.5))
+    assert same.line().endswith("rewritten: trains at 12.00 MiB, bit-identical") and same.limited_difference is None
+
+
 def test_measure_explains_a_varying_need():
     """A need marked "(varies)" is explained under the table (QA round 30: the mark had no legend)."""
     from rich.console import Console
