@@ -147,13 +147,13 @@ def trained_alike(steps, variables, feeds, output=lambda out: out) -> list:
     return runs
 
 
-def assert_within_fidelity(stand_in, model, predicted: int) -> None:
+def assert_within_fidelity(stand_in, model, predicted: int, low: float = 0.97) -> None:
     """The fidelity target (the prediction P within -3% and +10% of the real need) checked with
-    two real runs on ``stand_in``: one step of ``model`` fits at P / 0.97 and runs out of memory
-    at P / 1.10."""
+    two real runs on ``stand_in``: one step of ``model`` fits at P / 0.97 (P / ``low``) and runs
+    out of memory at P / 1.10."""
     from lmscli.prove.standin import MIB
 
-    above = -(-int(predicted / 0.97) // MIB) * MIB
+    above = -(-int(predicted / low) // MIB) * MIB
     below = int(predicted / 1.10) // MIB * MIB
     assert stand_in.run(model.meta_graph, model.fetches, above, runs=1).fits, f"needs more than {above:,} (P {predicted:,})"
     assert not stand_in.run(model.meta_graph, model.fetches, below, runs=1).fits, f"fits in {below:,} (P {predicted:,})"

@@ -295,7 +295,7 @@ def in_pieces(events, tensors) -> list:
                 placed.add(frame)
                 out.extend(_side_by_side(time, order, stores[frame], tensors))
             continue
-        size = -(-tensors[tid].num_bytes // count) * (1 if delta > 0 else -1)
+        size = _piece_bytes(tensors[tid]) * (1 if delta > 0 else -1)
         out.extend((time, order, 3, (tid, j), size) for j in range(count))
     return out
 
@@ -305,11 +305,15 @@ def _side_by_side(time, order, ids, tensors) -> list:
     pieces spread over the iterations in proportion)."""
     pieces = []
     for rank, tid in enumerate(ids):
-        count = tensors[tid].pieces
-        size = -(-tensors[tid].num_bytes // count)
+        count, size = tensors[tid].pieces, _piece_bytes(tensors[tid])
         pieces.extend(((j / count, rank), (time, order, 3, (tid, j), size)) for j in range(count))
     pieces.sort(key=lambda p: p[0])
     return [event for _key, event in pieces]
+
+
+def _piece_bytes(tensor) -> int:
+    """The bytes of each of the allocations a pieced tensor stands for."""
+    return -(-tensor.num_bytes // tensor.pieces)
 
 
 def allocator_high_water(events, base: int = 0) -> int:
