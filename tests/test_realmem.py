@@ -14,7 +14,7 @@ import pytest
 
 from lmscli import api
 from lmscli.prove.standin import MIB, StandIn
-from tests.conftest import SAMPLES, assert_within_fidelity, invoke
+from tests.conftest import SAMPLES, assert_within_fidelity, invoke, stacked_tf2_rnn
 
 
 def _generated(tmp_path_factory, model: str, **shape):
@@ -243,48 +243,6 @@ def test_the_prediction_is_within_ten_percent_of_the_real_need(graph, request, s
     assert_within_fidelity(stand_in, model, prediction.predicted_standin_bytes)
 
 
-def _stacked_tf2_rnn(path, batch=64, steps=48, features=32, units=192, layers=3):
-    """Three tanh RNN layers in TensorFlow 2's control flow, each reading the sequence the one
-    before wrote (``TensorArray`` unstack, write, stack), as a tf_keras ``SimpleRNN`` stack builds
-    them: its loops accumulate every intermediate of the cell (TensorFlow does so while a Keras
-    layer is built), of which the gradient pops only the state; the others are dropped when the
-    loop ends, leaving a hole beside each state the gradient keeps."""
-    from lmscli.tfimport import tensorflow
-    from tests.conftest import v1_training_graph
-
-    tensorflow()
-    from tensorflow.python.ops import control_flow_util_v2 as cfv2
-
-    was = cfv2._EXPERIMENTAL_OUTPUT_ALL_INTERMEDIATES_OVERRIDE
-    cfv2.set_output_all_intermediates(True)
-    try:
-        with v1_training_graph(path, control_flow_v2=True) as (tf, v1, graph):
-            init = v1.glorot_uniform_initializer(seed=1)
-            x = v1.placeholder(tf.float32, [batch, steps, features], name="inputs")
-            y = v1.placeholder(tf.float32, [steps, batch, 10], name="labels")
-            seq = tf.transpose(x, [1, 0, 2])
-            for n in range(layers):
-                w = v1.get_variable(f"w{n}", [seq.shape[-1], units], initializer=init, use_resource=True)
-                u = v1.get_variable(f"u{n}", [units, units], initializer=init, use_resource=True)
-                b = v1.get_variable(f"b{n}", [units], initializer=v1.zeros_initializer(), use_resource=True)
-                xs = tf.TensorArray(tf.float32, size=steps).unstack(seq)
-
-                def body(t, h, out, xs=xs, w=w, u=u, b=b):
-                    h = tf.tanh(tf.nn.bias_add(tf.matmul(xs.read(t), w), b) + tf.matmul(h, u))
-                    return t + 1, h, out.write(t, h)
-
-                _, _, out = tf.while_loop(lambda t, *_: t < steps, body,
-                                          [tf.constant(0), tf.zeros([batch, units]),
-                                           tf.TensorArray(tf.float32, size=steps)])
-                seq = out.stack()
-            d = v1.get_variable("d", [units, 10], initializer=init, use_resource=True)
-            logits = tf.reshape(tf.matmul(tf.reshape(seq, [-1, units]), d), [steps, batch, 10])
-            graph.loss = tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(labels=y, logits=logits))
-    finally:
-        cfv2.set_output_all_intermediates(was)
-    return path
-
-
 @pytest.mark.slow
 def test_the_holes_a_tf2_rnns_dropped_accumulators_leave_are_predicted(tmp_path, stand_in):
     """The stacked TensorFlow 2 RNN needs 26 to 27 MiB on the stand-in: after each loop, 48 holes
@@ -295,7 +253,7 @@ def test_the_holes_a_tf2_rnns_dropped_accumulators_leave_are_predicted(tmp_path,
     the fidelity target is not met on this graph)."""
     from lmscli.prove import realmem
 
-    model = api.load(str(_stacked_tf2_rnn(tmp_path / "rnn3.meta")))
+    model = api.load(str(stacked_tf2_rnn(tmp_path / "rnn3.meta")))
     predicted = realmem.predict(model, stand_in=stand_in)[0].predicted_standin_bytes
     assert_within_fidelity(stand_in, model, predicted, low=0.92)
 
