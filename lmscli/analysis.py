@@ -405,6 +405,8 @@ class Analysis:
     peak_in_host_stacks: int = 0  # of peak_in_loops, what gradient stacks keep that lms can move to the host
     host_stacks: int = 0  # gradient stacks of v1 while loops lms can keep on the host
     host_stack_bytes: int = 0  # what they keep over one step (the lower bound has them on the host)
+    unread_accumulators: int = 0  # of those, TensorList accumulators no op reads (a rewrite drops their pushes)
+    unread_accumulator_bytes: int = 0  # what they keep over one step
     unknown_batch: bool = False  # a placeholder the step reads has an unknown dimension (--batch-size fixes it)
 
     def to_dict(self) -> dict:
@@ -696,7 +698,7 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
         param_bytes = sum(variable_bytes(view, i) for i in var_nodes if view.names[i] in trainable)
     cands = candidates(view, schedule, filters, prepared.fused, untaken=prepared.untaken)
     lb, lb_pos = lower_bound(prepared, set(cands), result)
-    stacks = hoststacks.hostable(view, prepared.dead | prepared.untaken)
+    stacks = hoststacks.hostable(view, prepared.dead | prepared.untaken, frozenset(model.fetches))
     if stacks and len(prepared.schedules or (schedule,)) <= 1:
         # The bound of a plan that also keeps every such stack on the host (its ops keep their positions).
         hosted = hoststacks.hosting(schedule, view, stacks)
@@ -774,6 +776,8 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
         peak_in_host_stacks=in_stacks,
         host_stacks=sum(len(h.stacks) for h in stacks),
         host_stack_bytes=sum(h.num_bytes for h in stacks),
+        unread_accumulators=sum(len(h.stacks) for h in stacks if h.dropped),
+        unread_accumulator_bytes=sum(h.num_bytes for h in stacks if h.dropped),
         swappable_tensors=len(cands),
         swappable_bytes=sum(schedule.tensors[t].num_bytes for t in cands),
         unknown_tensors=len(unknown),

@@ -552,7 +552,8 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
            "format": written, "dry_run": dry_run, "summary": rep.summary(),
            "swap_outs": rep.swap_outs, "swap_ins": rep.swap_ins, "swap_out_bytes": rep.swap_out_bytes,
            "swap_in_bytes": rep.swap_in_bytes, "recomputes": rep.recomputes, "recompute_bytes": rep.recompute_bytes,
-           "host_stacks": rep.host_stacks, "serial_loops": rep.serial_loops, "control_edges": rep.control_edges,
+           "host_stacks": rep.host_stacks, "dropped_accumulators": rep.dropped_lists,
+           "serial_loops": rep.serial_loops, "control_edges": rep.control_edges,
            "added_nodes": list(rep.added_nodes), "tensorboard_event_file": event_file,
            "time_limited": bool(result is not None and result.time_limited), "plan": plan.to_dict(), **details}
     with progress.phase("drawing", active=bool(plot or report_file)):

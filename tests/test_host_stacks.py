@@ -20,7 +20,7 @@ from lmscli.errors import PlanError
 from lmscli.plan.document import Plan, PlannedHostStack
 from lmscli.model.schedule import Schedule, SimTensor
 from lmscli.model.simulator import simulate
-from tests.conftest import invoke, v1_training_graph
+from tests.conftest import invoke, stacked_tf2_rnn, v1_training_graph
 from tests.test_control_flow import _lstm_loop
 
 
@@ -368,7 +368,7 @@ def test_a_tf2_loops_accumulators_on_the_host_train_where_the_original_runs_out_
     written = {node.name: node for node in api.load(str(out)).graph_def.node}
     assert plan["host_stacks"] and all(written[h["stack"]].op in hoststacks.LIST_MAKERS for h in plan["host_stacks"])
     for h in plan["host_stacks"]:
-        assert all("CPU" in written[name].device for name in (h["stack"], *h["ops"]))
+        assert h.get("dropped") or all("CPU" in written[name].device for name in (h["stack"], *h["ops"]))
     checked = invoke(runner, "verify", v2_lstm, out, "--gpu-mem", "11MiB", "--json")
     proof = json.loads(checked.stdout)["limit"]
     assert checked.exit_code == 0 and proof["proven"], proof
@@ -503,3 +503,84 @@ def test_what_a_tf2_loop_writes_to_a_tensor_array_is_held_until_it_is_stacked(v2
     assert "TensorListStack" in {view.ops[r] for r in written[0].readers}
     view = api.prepare(api.load(str(v2_sequence_rnn))).view
     assert not [s for s in loop_storage(view) if view.ops[s.writer] == "TensorListSetItem"]
+
+
+# ------------------------------------------------------- accumulators no op reads (tf_keras RNNs)
+@pytest.fixture(scope="module")
+def keras_rnn(tmp_path_factory):
+    """Two tanh RNN layers over 32 steps as a tf_keras ``SimpleRNN`` stack builds them: each loop
+    accumulates every intermediate of its cell, and the gradient pops only the state and the step
+    counter. 8 MiB on the stand-in, 6 of it in the lists no op reads."""
+    return stacked_tf2_rnn(tmp_path_factory.mktemp("keras_rnn") / "rnn.meta", batch=32, steps=32, units=192,
+                           layers=2)
+
+
+def test_the_accumulators_no_op_reads_are_found(keras_rnn):
+    """Per layer, the lists of MatMul, BiasAdd, MatMul_1, add and the counter's add are never
+    popped and every value they get has another reader: they are to be dropped. The lists the
+    gradient pops (the state, the counter) are not; nor is a list whose Exit is fetched."""
+    prepared = api.prepare(api.load(str(keras_rnn)))
+    view = prepared.view
+    units = hoststacks.hostable(view, keep=frozenset(prepared.model.fetches))
+    dropped = [h for h in units if h.dropped]
+    pushed = sorted(view.names[view.data_inputs[p][1][0]].rsplit("/", 1)[1] for h in dropped for p in h.pushes)
+    assert pushed == sorted(2 * ["MatMul", "BiasAdd", "MatMul_1", "add", "add_2_0"])
+    assert all(not h.pops for h in dropped) and all(h.pops for h in units if not h.dropped)
+    analysis = api.analyze(prepared)
+    assert analysis.unread_accumulators == 10 and analysis.unread_accumulator_bytes == 8 * 32 * 32 * 192 * 4 + 2 * 128
+    exit_node = next(view.names[i] for i in dropped[0].users if view.ops[i] == "Exit")
+    kept = hoststacks.hostable(view, keep=frozenset({exit_node}))
+    assert not next(h for h in kept if h.stacks == dropped[0].stacks).dropped
+
+
+def test_a_plan_drops_the_accumulators_no_op_reads_and_trains_bit_identically(keras_rnn, runner, tmp_path):
+    """`lms rewrite --gpu-mem 6MiB` (the step as written peaks at 7.6 MiB): every list no op reads
+    is in the plan as dropped, its pushes are Identities of the list in the rewritten graph (under
+    their own names, nothing else changed), Grappler's optimizations treat the rest of the graph as
+    before (the guard let all of them through), and the rewrite trains bit-identically."""
+    out = tmp_path / "rnn.lms.meta"
+    done = invoke(runner, "rewrite", keras_rnn, out, "--gpu-mem", "6MiB", "--reserve", "0", "--json")
+    assert done.exit_code == 0, done.output
+    doc = json.loads(done.stdout)
+    dropped = [h for h in doc["plan"]["host_stacks"] if h.get("dropped")]
+    assert len(dropped) == 10 == doc["dropped_accumulators"]
+    assert "took out the pushes of 10 loop accumulator(s)" in doc["summary"]
+    original = {node.name: node for node in api.load(str(keras_rnn)).graph_def.node}
+    written = {node.name: node for node in api.load(str(out)).graph_def.node}
+    for h in dropped:
+        assert written[h["stack"]].op == "EmptyTensorList" and "CPU" not in written[h["stack"]].device
+        for name in h["ops"]:
+            if original[name].op == "TensorListPushBack":
+                node = written[name]
+                assert node.op == "Identity" and list(node.input) == list(original[name].input[:1])
+    assert all(written[h["stack"]].op == "EmptyTensorList" for h in doc["plan"]["host_stacks"])
+    checked = invoke(runner, "verify", keras_rnn, out, "--json")
+    assert checked.exit_code == 0 and json.loads(checked.stdout)["identical"] is True, checked.output
+
+
+def test_a_plan_may_not_drop_a_list_the_gradient_reads(keras_rnn):
+    prepared = api.prepare(api.load(str(keras_rnn)))
+    view = prepared.view
+    popped = next(h for h in hoststacks.hostable(view) if h.pops)
+    planned = [PlannedHostStack(view.names[s], (), 0, h.trips, dropped=True) for h in [popped] for s in h.stacks]
+    with pytest.raises(PlanError, match="only accumulators no op reads can be dropped"):
+        hoststacks.named(view, planned)
+    unread = next(h for h in hoststacks.hostable(view) if h.dropped)  # (kept on the host instead: allowed)
+    assert not hoststacks.named(view, [PlannedHostStack(view.names[unread.stacks[0]], (), 0, unread.trips)])[0].dropped
+
+
+@pytest.mark.slow
+def test_dropped_accumulators_train_under_a_limit_the_original_runs_out_of_memory_at(keras_rnn, tmp_path):
+    """`lms rewrite --stand-in --gpu-mem 6MiB`, then `lms verify --gpu-mem 6MiB`: the original
+    needs 8 MiB on the stand-in and runs out of memory; the rewrite trains, bit-identically."""
+    from click.testing import CliRunner
+
+    runner = CliRunner()
+    out = tmp_path / "rnn.lms.meta"
+    done = invoke(runner, "rewrite", keras_rnn, out, "--gpu-mem", "6MiB", "--reserve", "0", "--stand-in", "--json")
+    assert done.exit_code == 0, done.output
+    assert len([h for h in json.loads(done.stdout)["plan"]["host_stacks"] if h.get("dropped")]) == 10
+    checked = invoke(runner, "verify", keras_rnn, out, "--gpu-mem", "6MiB", "--json")
+    proof = json.loads(checked.stdout)["limit"]
+    assert checked.exit_code == 0 and proof["proven"], proof
+    assert not proof["original"]["fits"] and proof["rewritten"]["fits"] and proof["identical"] is True

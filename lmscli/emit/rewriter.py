@@ -59,6 +59,9 @@ copies each pushed value out and each popped value back::
     .../f_acc (StackV2, GPU)                 .../f_acc (StackV2, host)
     .../StackPopV2 --> TanhGrad              .../StackPopV2 (host) --> TanhGrad
 
+An accumulator no op reads has its pushes turned into Identities of the list
+(:func:`drop_pushes`), under their own names: nothing is kept, nothing is copied.
+
 Added nodes are named after the node they stand beside (:func:`beside`: ``P-lms-...``), carry
 ``_grappler_do_not_remove`` (swap nodes) and never a ``_class`` colocation attribute. The result
 is validated (unique names, no dangling inputs, no cycles).
@@ -96,6 +99,8 @@ class RewriteReport:
     landed: int = 0  # swap-ins read on the GPU through an Identity placed like the producer
     sent: int = 0  # swap-outs reading the tensor through an Identity placed like the producer
     serial_loops: int = 0  # while loops set to run one iteration at a time
+    dropped_lists: int = 0  # accumulators no op reads, their pushes taken out
+    dropped_bytes: int = 0
 
     def summary(self) -> str:
         from lmscli.units import format_size
@@ -113,6 +118,9 @@ class RewriteReport:
         if self.host_stacks:
             line += (f"; moved {self.host_stacks} gradient stack(s) of while loops to the host "
                      f"({format_size(self.host_stack_bytes)} per step)")
+        if self.dropped_lists:
+            line += (f"; took out the pushes of {self.dropped_lists} loop accumulator(s) no op reads "
+                     f"({format_size(self.dropped_bytes)} per step no longer kept)")
         if self.serial_loops:
             line += f"; {self.serial_loops} while loop(s) set to run one iteration at a time"
         return line
@@ -316,8 +324,10 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
     for chain in plan.serialize:
         for before, after in zip(chain, chain[1:]):
             add_control(after, before)
-    for stack in plan.host_stacks:
+    for stack in plan.on_host:
         _to_host(nodes, stack, host_device)
+    for stack in plan.dropped:
+        drop_pushes(nodes, stack)
     serial = _serialize_loops(graph, plan.serial_loops)
     try:
         after = GraphView(graph)
@@ -327,8 +337,9 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
         _check_branches(view if view is not None else GraphView(meta_graph.graph_def), after)
         _check_loop_entries(after)
     report = RewriteReport(len(plan.swaps), n_in, out_bytes, in_bytes, control_edges, tuple(added), n_re, re_bytes,
-                           n_clones, len(plan.host_stacks), sum(h.bytes for h in plan.host_stacks), n_landed,
-                           serial_loops=serial, sent=n_sent)
+                           n_clones, len(plan.on_host), sum(h.bytes for h in plan.on_host), n_landed,
+                           serial_loops=serial, sent=n_sent, dropped_lists=len(plan.dropped),
+                           dropped_bytes=sum(h.bytes for h in plan.dropped))
     return out, report
 
 
@@ -409,6 +420,39 @@ def _to_host(nodes: dict, stack, host_device: str) -> None:
         node.device = host
         if "_class" in node.attr:
             del node.attr["_class"]
+
+
+def drop_pushes(nodes: dict, stack) -> None:
+    """Take out the pushes of a TensorList accumulator no op reads
+    (:func:`lmscli.plan.hoststacks.droppable`): each becomes an Identity of the list it was given,
+    under its own name (every edge from it stays valid), so the list stays empty and the value it
+    pushed is freed when its other readers have run::
+
+        before                                        after
+        list, h_t ──> TensorListPushBack "p" ──>      list ──> Identity "p" ──> (the same readers)
+    """
+    from tensorflow.core.framework import types_pb2
+
+    from lmscli.plan.hoststacks import LIST_MAKERS, LIST_USERS, PASS_THROUGH
+
+    maker = nodes.get(stack.stack)
+    if maker is None or maker.op not in LIST_MAKERS:
+        raise PlanError(f"the plan drops the pushes of {stack.stack!r}, which is not a TensorList this graph makes")
+    for name in stack.ops:
+        node = nodes.get(name)
+        if node is None:
+            raise PlanError(f"the plan drops the pushes of {stack.stack!r}, but the graph has no node {name!r}")
+        if node.op not in LIST_USERS | PASS_THROUGH or node.op == "TensorListPopBack":
+            raise PlanError(f"the plan drops the pushes of {stack.stack!r}, but {name!r} (a {node.op}) reads it")
+        if node.op != "TensorListPushBack":
+            continue
+        data = [i for i in node.input if not i.startswith("^")]
+        control = [i for i in node.input if i.startswith("^")]
+        device = node.device
+        node.Clear()
+        node.name, node.op, node.device = name, "Identity", device
+        node.input.extend([data[0], *control])
+        node.attr["T"].type = types_pb2.DT_VARIANT
 
 
 def _serialize_loops(graph, frames) -> int:

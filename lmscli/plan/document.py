@@ -51,13 +51,15 @@ class PlannedRecompute:
 
 @dataclass(frozen=True)
 class PlannedHostStack:
-    """A v1 loop's gradient stack placed on the host (:mod:`lmscli.plan.hoststacks`)."""
+    """A loop's gradient stack (or TensorList accumulator) placed on the host, or, when
+    ``dropped``, an accumulator no op reads whose pushes are taken out (:mod:`lmscli.plan.hoststacks`)."""
 
     stack: str  # the StackV2 node
     ops: tuple[str, ...]  # the ops using its handle, which move with it (pushes, pops, closes)
     bytes: int  # what it keeps over one step (its trips times the values pushed per iteration)
     trips: int
     gpu: str = ""
+    dropped: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,16 @@ class Plan:
         return bool(self.swaps or self.recomputes or self.host_stacks or self.serial_loops or self.serialize)
 
     @property
+    def on_host(self) -> tuple[PlannedHostStack, ...]:
+        """The stacks (and lists) kept on the host."""
+        return tuple(h for h in self.host_stacks if not h.dropped)
+
+    @property
+    def dropped(self) -> tuple[PlannedHostStack, ...]:
+        """The accumulators no op reads, whose pushes the rewrite takes out."""
+        return tuple(h for h in self.host_stacks if h.dropped)
+
+    @property
     def recompute_bytes(self) -> int:
         return sum(r.bytes * len(r.groups) for r in self.recomputes)
 
@@ -107,6 +119,9 @@ class Plan:
         data = asdict(self)
         if not self.host_stacks:
             del data["host_stacks"]  # (plans without them read as before)
+        for h in data.get("host_stacks", ()):
+            if not h["dropped"]:
+                del h["dropped"]
         if not self.serial_loops:
             del data["serial_loops"]
         if self.read_on_gpu:
@@ -156,7 +171,8 @@ class Plan:
                 raise ValueError("recomputes: ops and groups")
             host_stacks = tuple(
                 PlannedHostStack(stack=str(h["stack"]), ops=tuple(str(o) for o in h["ops"]), bytes=int(h["bytes"]),
-                                 trips=int(h["trips"]), gpu=str(h.get("gpu", "")))
+                                 trips=int(h["trips"]), gpu=str(h.get("gpu", "")),
+                                 dropped=bool(h.get("dropped", False)))
                 for h in data.get("host_stacks", ())
             )
             serial_loops = data.get("serial_loops", [])
@@ -224,7 +240,7 @@ def host_stacks_from(units, view, schedule: Schedule) -> tuple[PlannedHostStack,
         for k, stack in enumerate(h.stacks):
             users = handle_users(view, stack) or ()
             out.append(PlannedHostStack(view.names[stack], tuple(sorted(view.names[i] for i in users)),
-                                        h.num_bytes if k == 0 else 0, h.trips, schedule.device))
+                                        h.num_bytes if k == 0 else 0, h.trips, schedule.device, h.dropped))
     return tuple(sorted(out, key=lambda p: p.stack))
 
 

@@ -39,6 +39,14 @@ one back, as for a stack, and the list never crosses devices (the loop's predica
 accumulators, and no plan reached below the need; with the accumulators on the host it trained,
 bit-identically, under 19 MiB.)
 
+A list that no op reads (pushed, never popped, its ``Exit`` read by nothing: TensorFlow 2
+accumulates every intermediate of a loop body while Keras builds a layer) need not go anywhere:
+its pushes become Identities of the list, which then stays empty (:func:`droppable`)::
+
+    before                                            after
+    h_t ──> PushBack(list, h_t) ──> NextIteration     list ──> Identity "PushBack" ──> NextIteration
+            (trips x h_t kept to the loop's end)              (nothing kept; h_t freed when read)
+
 Not hosted: TensorArrays, lists anything but pushes and pops read (a ``TensorListStack`` or
 ``SetItem``: a loop's outputs), stacks inside cond branches
 (also a cond inside the loop, whose ``Enter`` and ``Switch`` pass the handle to the pop), and
@@ -77,16 +85,28 @@ class Hostable:
     num_bytes: int  # what the stacks keep over one step
     copy_bytes: int  # what their pushes copy out over one step (as much again comes back in)
     trips: int  # iterations of the loop that pushes (the gradient loop pops as many)
+    dropped: bool = False  # accumulators no op reads: their pushes are taken out, nothing is kept
+
+    @property
+    def kept_bytes(self) -> int:
+        """What the stacks keep in host memory (nothing when dropped)."""
+        return 0 if self.dropped else self.num_bytes
+
+    @property
+    def moved_bytes(self) -> int:
+        """What their pushes copy out over one step (nothing when dropped)."""
+        return 0 if self.dropped else self.copy_bytes
 
     @property
     def ops(self) -> tuple[int, ...]:
         return self.stacks + self.users
 
 
-def hostable(view: GraphView, leave_out=frozenset()) -> tuple[Hostable, ...]:
+def hostable(view: GraphView, leave_out=frozenset(), keep=frozenset()) -> tuple[Hostable, ...]:
     """The graph's gradient stacks that keep memory across iterations and can move to the host,
-    in units that move together, largest first (ties: graph order). ``leave_out``: node names the
-    step does not run."""
+    in units that move together, largest first (ties: graph order); accumulators no op reads are
+    marked to be dropped (:func:`droppable`). ``leave_out``: node names the step does not run;
+    ``keep``: node names whose values are fetched (never dropped)."""
     if not any(view.frames):
         return ()
     from lmscli.graph.loopvalues import pushes_and_pops
@@ -134,8 +154,35 @@ def hostable(view: GraphView, leave_out=frozenset()) -> tuple[Hostable, ...]:
             continue
         pushes = tuple(sorted(p for st in stacks for p in members[st][0]))
         pops = tuple(sorted(p for st in stacks for p in members[st][1]))
-        found.append(Hostable(tuple(sorted(stacks)), pushes, pops, tuple(sorted(users)), num_bytes, copy_bytes, trips))
+        dropped = droppable(view, stacks, pushes, pops, users) and not any(view.names[i] in keep for i in ops)
+        found.append(Hostable(tuple(sorted(stacks)), pushes, pops, tuple(sorted(users)), num_bytes, copy_bytes, trips,
+                              dropped))
     return tuple(sorted(found, key=lambda h: (-h.num_bytes, h.stacks)))
+
+
+def droppable(view: GraphView, lists, pushes, pops, users) -> bool:
+    """Are ``lists`` TensorList accumulators that no op reads, whose pushes can be taken out?
+
+    While Keras builds a recurrent layer in a graph, TensorFlow 2's ``While`` accumulates every
+    intermediate of the loop body for a gradient, and the gradient pops only those it needs (QA: a
+    tf_keras SimpleRNN pushed five 48 KiB values per iteration and popped one). The others are kept
+    to the loop's end by the GPU and leave holes between the kept ones. Such a list (from its
+    ``EmptyTensorList`` through ``Enter``, ``Merge``, ``Switch``, ``NextIteration`` and ``Exit`` to no
+    reader: :func:`list_path`) changes no result when its pushes become Identities of the list
+    (:func:`lmscli.emit.rewriter.drop_pushes`). Only when every pushed value has another reader:
+    the rewrite then removes no op from the step (a value made only to be pushed stays made)."""
+    if pops or not pushes or not all(view.ops[i] in LIST_MAKERS for i in lists):
+        return False
+    if any(view.ops[i] not in PASS_THROUGH and view.ops[i] != "TensorListPushBack" for i in users):
+        return False
+    for push in pushes:
+        inputs = view.data_inputs[push]
+        if len(inputs) < 2:
+            return False
+        src, output = inputs[1]
+        if not any(dst != push and out == output and view.ops[dst] not in LIST_USERS for dst, _p, out in view.consumers[src]):
+            return False
+    return True
 
 
 def named(view: GraphView, stacks) -> tuple[Hostable, ...]:
@@ -159,6 +206,13 @@ def named(view: GraphView, stacks) -> tuple[Hostable, ...]:
             raise PlanError(f"the plan keeps {view.names[h.stacks[0]]!r} on the host but not {missing[0]!r}, "
                             "which keeps the same tensors: they must move together")
         out.append(h)
+    dropped = {view.index[p.stack] for p in stacks if p.dropped}
+    for k, h in enumerate(out):
+        if dropped & set(h.stacks) and not h.dropped:
+            raise PlanError(f"the plan drops the pushes of {view.names[h.stacks[0]]!r}, but the graph reads that "
+                            "list (or a value only it reads): only accumulators no op reads can be dropped")
+        if h.dropped and not dropped & set(h.stacks):
+            out[k] = replace(h, dropped=False)  # (a plan may keep them on the host instead)
     return tuple(out)
 
 
@@ -166,11 +220,11 @@ def hosting(schedule: Schedule, view: GraphView, stacks) -> Schedule:
     """``schedule`` with ``stacks`` on the host: what they keep leaves GPU memory, and the copies
     their pushes and pops make (one iteration's value each, each way) are work for the link,
     hidden behind the loop's compute (all its iterations) as far as it lasts
-    (:attr:`Schedule.stack_copies`)."""
+    (:attr:`Schedule.stack_copies`). What dropped lists keep leaves it too, with no copies."""
     if not stacks:
         return schedule
     position = {node: k for k, node in enumerate(schedule.nodes)}
-    pushes = {p for h in stacks for p in h.pushes}
+    pushes = {p for h in stacks for p in h.pushes}  # (dropped or hosted, the GPU keeps nothing)
     drop = {t.id for t in schedule.tensors
             if t.output == STORAGE_OUTPUT and schedule.nodes[t.producer] in pushes}
     frame_compute: dict[str, int] = {}
@@ -185,7 +239,7 @@ def hosting(schedule: Schedule, view: GraphView, stacks) -> Schedule:
     for h in stacks:
         ran_pushes = [position[p] for p in h.pushes if p in position]
         ran_pops = [position[p] for p in h.pops if p in position]
-        if not ran_pushes:
+        if not ran_pushes or h.dropped:
             continue
         for ops, direction, pick in ((ran_pushes, "out", max), (ran_pops, "in", min)):
             if not ops:

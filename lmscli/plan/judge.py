@@ -88,7 +88,10 @@ def optimizer_culprits(prepared: Prepared, plan: Plan, rewritten, optimized=None
         # Grappler optimizes the original but fails on the rewrite (a Session would then run it
         # unoptimized, or with optimizers skipped): the edits that make it fail are the culprits.
         return _breaking(prepared, plan), ()
-    names = optguard.involved(prepared.optimized, optimized)
+    view = prepared.view
+    taken_out = frozenset(op for h in plan.dropped for op in h.ops
+                          if op in view.index and view.ops[view.index[op]] == "TensorListPushBack")
+    names = optguard.involved(prepared.optimized, optimized, taken_out)
     if not names:
         return (), ()
     for hops in range(GUARD_HOPS + 1):  # the nearest swaps first

@@ -45,19 +45,20 @@ def _data(node) -> list[str]:
     return [i for i in node.input if not i.startswith("^")]
 
 
-def digests(graph_def) -> tuple[dict, object]:
+def digests(graph_def, through=frozenset()) -> tuple[dict, object]:
     """``(node name -> digest, resolve)``. A node's digest hashes its op, its attributes and the
     digests of its data inputs (of two-operand commutative ops in sorted order), not its name.
     Identity nodes take their input's digest (swap nodes are Identity), constants are hashed by
     value, and sources (no data inputs) by their name. ``resolve`` maps an input to the node it
-    reads, through Identity nodes."""
+    reads, through Identity nodes. The nodes named in ``through`` count as Identities of their
+    first input (pushes the rewrite takes out: they are Identities there)."""
     nodes = {node.name: node for node in graph_def.node}
 
     def resolve(text: str) -> str:
         for _ in range(len(nodes) + 1):
             name, output, _ = parse_input(text)
             node = nodes.get(name)
-            if node is None or node.op != "Identity" or output != 0 or not _data(node):
+            if node is None or (node.op != "Identity" and name not in through) or output != 0 or not _data(node):
                 return name
             text = _data(node)[0]
         return parse_input(text)[0]
@@ -85,7 +86,7 @@ def digests(graph_def) -> tuple[dict, object]:
                 continue
             stack.pop()
             data = [tensor(i) for i in _data(node)]
-            if node.op == "Identity" and data:
+            if (node.op == "Identity" or name in through) and data:
                 digest[name] = data[0]
                 state[name] = 2
                 continue
@@ -105,17 +106,18 @@ def digests(graph_def) -> tuple[dict, object]:
 
 
 @timed("guard")
-def involved(optimized_original, optimized_rewritten) -> frozenset:
+def involved(optimized_original, optimized_rewritten, through=frozenset()) -> frozenset:
     """Names of the graph nodes around the first places where Grappler optimizes the rewritten
     graph differently from the original: each node computing something the other graph does not
     while its inputs are computed by both, and the nodes those inputs come from. Empty when both
-    come out alike. Swap nodes (``P-lms-...``) are looked through."""
-    a, b = digests(optimized_original), digests(optimized_rewritten)
+    come out alike. Swap nodes (``P-lms-...``) are looked through, and so are the pushes named in
+    ``through`` (those the rewrite took out)."""
+    a, b = digests(optimized_original, through), digests(optimized_rewritten, through)
     names: set[str] = set()
     for graph, (mine, resolve), (theirs, _) in ((optimized_original, a, b), (optimized_rewritten, b, a)):
         present = set(theirs.values())
         for node in graph.node:
-            if node.op in _TRANSPARENT or node.op in _CONSTANT or mine[node.name] in present:
+            if node.op in _TRANSPARENT or node.op in _CONSTANT or node.name in through or mine[node.name] in present:
                 continue
             sources = [resolve(i) for i in _data(node)]
             if all(mine[s] in present for s in sources if s in mine):  # a first difference

@@ -1217,19 +1217,31 @@ def _tune_one(prepared: Prepared, device: Device, options: TuneOptions, margin: 
     of the two wins (then the one moving fewer bytes): swapping can beat copying a whole stack
     every iteration, and where swaps cannot reach the loops' stacks only hosting fits. Not for
     TFLMS's search (it never moved a loop's stacks) nor ``--strategy recompute`` (recomputation
-    only: nothing goes to host memory)."""
-    stacks = () if strategy_name(options.strategy) in ("tflms", "recompute") else tuple(
-        h for h in hoststacks.hostable(prepared.view, prepared.dead | prepared.untaken)
-        if not any(prepared.view.names[i] in options.forbidden for i in h.stacks))
+    only: nothing goes to host memory). Accumulators no op reads (:func:`lmscli.plan.hoststacks.droppable`)
+    are dropped by every plan that changes the graph, except TFLMS's: that costs nothing."""
+    strategy = strategy_name(options.strategy)
+    stacks = () if strategy == "tflms" else tuple(
+        h for h in hoststacks.hostable(prepared.view, prepared.dead | prepared.untaken, frozenset(prepared.model.fetches))
+        if not any(prepared.view.names[i] in options.forbidden for i in h.stacks)
+        and (h.dropped or strategy != "recompute"))
     if not stacks:
         return _tune_on(prepared, device, options, margin, log)
+    dropped = tuple(h for h in stacks if h.dropped)
     plain_log: list[str] = []
     plain = failed = None
-    try:
-        plain = _tune_on(prepared, device, options, margin, plain_log)
-    except NoFitError as exc:
-        failed = exc
-    if plain is not None and not plain.necessary:
+    if dropped and simulate(prepared.schedule, (), device.link_bandwidth).peak_bytes > device.budget - margin:
+        # (a plan is needed: accumulators no op reads go first, at no cost)
+        plain = _on_host(prepared, device, options, margin, dropped, plain_log)
+        if isinstance(plain, NoFitError):
+            plain, failed = None, plain
+    else:
+        try:
+            plain = _tune_on(prepared, device, options, margin, plain_log)
+        except NoFitError as exc:
+            failed = exc
+    if (plain is not None and not plain.necessary) or len(dropped) == len(stacks):
+        if plain is None:
+            raise failed
         log.extend(plain_log)
         return plain
     hosted_log: list[str] = []
@@ -1259,7 +1271,7 @@ def _with_host_stacks(prepared: Prepared, device: Device, options: TuneOptions, 
     cannot be made then, every stack goes."""
     view, base = prepared.view, prepared.schedule
     limit = device.budget - margin
-    chosen: list = []
+    chosen: list = [h for h in stacks if h.dropped]  # (free: nothing is copied)
     while True:
         sched = hoststacks.hosting(base, view, chosen)
         sim = simulate(sched, (), device.link_bandwidth)
@@ -1273,23 +1285,36 @@ def _with_host_stacks(prepared: Prepared, device: Device, options: TuneOptions, 
     tries = [tuple(chosen)] if chosen else []
     if len(chosen) < len(stacks):
         tries.append(tuple(stacks))
-    baseline = simulate(base, (), device.link_bandwidth)
     failed = None
     for hosted in tries:
-        sched = hoststacks.hosting(base, view, hosted)
         lines: list[str] = []
-        try:
-            result = _tune_on(replace(prepared, schedule=sched, schedules=(sched,)), device, options, margin, lines,
-                              hosted)
-        except NoFitError as exc:
-            failed = NoFitError(f"{exc} (with {sum(len(h.stacks) for h in hosted)} gradient stack(s) of while loops "
-                                "on the host)", exc.bound_bytes, exc.binding_op, exc.budget_bytes)
-            failed.log = tuple(lines)
+        result = _on_host(prepared, device, options, margin, hosted, lines)
+        if isinstance(result, NoFitError):
+            failed = result
             continue
         log.extend(lines)
-        figures = predicted(baseline, result.result, device.budget, result.plan.predicted.get("recompute_flops", 0))
-        return replace(result, baseline=baseline, necessary=True, plan=replace(result.plan, predicted=figures))
+        return result
     return failed
+
+
+def _on_host(prepared: Prepared, device: Device, options: TuneOptions, margin: int, hosted,
+             log: list[str]) -> TuneResult | NoFitError:
+    """A plan with the stacks ``hosted`` on the host (or dropped), its baseline the step as written."""
+    base = prepared.schedule
+    sched = hoststacks.hosting(base, prepared.view, hosted)
+    lines: list[str] = []
+    try:
+        result = _tune_on(replace(prepared, schedule=sched, schedules=(sched,)), device, options, margin, lines, hosted)
+    except NoFitError as exc:
+        kept = [h for h in hosted if not h.dropped]
+        failed = NoFitError(f"{exc} (with {sum(len(h.stacks) for h in kept)} gradient stack(s) of while loops "
+                            "on the host)" if kept else str(exc), exc.bound_bytes, exc.binding_op, exc.budget_bytes)
+        failed.log = tuple(lines)
+        return failed
+    log.extend(lines)
+    baseline = simulate(base, (), device.link_bandwidth)
+    figures = predicted(baseline, result.result, device.budget, result.plan.predicted.get("recompute_flops", 0))
+    return replace(result, baseline=baseline, necessary=True, plan=replace(result.plan, predicted=figures))
 
 
 def _tune_on(prepared: Prepared, device: Device, options: TuneOptions, margin: int, log: list[str],
@@ -1305,12 +1330,17 @@ def _tune_on(prepared: Prepared, device: Device, options: TuneOptions, margin: i
     necessary = baseline.peak_bytes > budget - margin
     limited = False
     serial = False  # a plan of serial loops alone (see below)
-    if host_stacks:
-        log.append(f"[LMS] [Simulator] keeping {sum(len(h.stacks) for h in host_stacks)} gradient stack(s) of while "
+    kept = [h for h in host_stacks if not h.dropped]
+    if kept:
+        log.append(f"[LMS] [Simulator] keeping {sum(len(h.stacks) for h in kept)} gradient stack(s) of while "
                    "loops on the host "
-                   f"({format_size(sum(h.num_bytes for h in host_stacks))} kept off the GPU; each push copies one "
-                   f"iteration's value out and each pop one back: {format_size(sum(h.copy_bytes for h in host_stacks))} "
+                   f"({format_size(sum(h.num_bytes for h in kept))} kept off the GPU; each push copies one "
+                   f"iteration's value out and each pop one back: {format_size(sum(h.copy_bytes for h in kept))} "
                    "each way per step)")
+    if len(kept) < len(host_stacks):
+        gone = [h for h in host_stacks if h.dropped]
+        log.append(f"[LMS] [Simulator] taking out the pushes of {len(gone)} loop accumulator(s) no op reads "
+                   f"({format_size(sum(h.num_bytes for h in gone))} the GPU no longer keeps)")
     if options.strategy == "tflms" and options.tflms is not None:
         swaps = tflms_swaps(ctx.narrowed(), options.tflms)  # (what TFLMS itself swapped)
         result = ctx.simulate(swaps)

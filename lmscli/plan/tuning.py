@@ -410,7 +410,8 @@ def _round_line(rounds: int, result: TuneResult, peak: int, budget: int, verdict
     plan = result.plan
     made = ", ".join([f"{len(plan.swaps)} swap(s)"]
                      + ([f"{len(plan.recomputes)} recomputation(s)"] if plan.recomputes else [])
-                     + ([f"{len(plan.host_stacks)} loop stack(s) on the host"] if plan.host_stacks else []))
+                     + ([f"{len(plan.on_host)} loop stack(s) on the host"] if plan.on_host else [])
+                     + ([f"{len(plan.dropped)} unread accumulator(s) dropped"] if plan.dropped else []))
     if verdict is not None:
         found = (f"trained in {verdict.runs} run(s) on the stand-in" if verdict.fits
                  else f"failed on the stand-in: {verdict.message}")

@@ -175,10 +175,15 @@ def _plan(doc: dict, svg: str | None) -> str:
         memory_rows.append(("recomputed", "-", f"{pred.get('recomputes', 0)} ({_size(pred.get('recompute_bytes'))}, "
                             f"{format_flops(pred.get('recompute_flops', 0))}, "
                             f"{_ms(pred.get('recompute_time_s', 0.0))} of GPU time)", "-"))
-    if plan.get("host_stacks"):
-        memory_rows.append(("loop stacks on the host", "-", f"{len(plan['host_stacks'])} "
-                            f"({_size(sum(h['bytes'] for h in plan['host_stacks']))} kept off the GPU, "
+    on_host = [h for h in plan.get("host_stacks", ()) if not h.get("dropped")]
+    dropped = [h for h in plan.get("host_stacks", ()) if h.get("dropped")]
+    if on_host:
+        memory_rows.append(("loop stacks on the host", "-", f"{len(on_host)} "
+                            f"({_size(sum(h['bytes'] for h in on_host))} kept off the GPU, "
                             f"{_size(pred.get('stack_copy_bytes', 0) // 2)} copied each way)", "-"))
+    if dropped:
+        memory_rows.append(("accumulators dropped", "-", f"{len(dropped)} no op reads "
+                            f"({_size(sum(h['bytes'] for h in dropped))} no longer kept)", "-"))
     if plan.get("serial_loops"):
         memory_rows.append(("serial loops", "-", f"{len(plan['serial_loops'])} while loop(s) run one iteration at "
                             "a time (parallel_iterations 1)", "-"))
@@ -195,11 +200,14 @@ def _plan(doc: dict, svg: str | None) -> str:
     parts += ["<h2>Memory over one step</h2>", _plot(svg),
               _top(doc.get("top_live_at_peak", ()), "Largest tensors live at the peak, with the plan")]
     parts.append(_swaps(plan.get("swaps", ()), levels) if plan.get("swaps") or not plan.get("host_stacks") else "")
-    if plan.get("host_stacks"):
-        rows = [(_code(h["stack"]), _size(h["bytes"]), str(h["trips"]), _names(h["ops"], levels))
-                for h in plan["host_stacks"]]
+    if on_host:
+        rows = [(_code(h["stack"]), _size(h["bytes"]), str(h["trips"]), _names(h["ops"], levels)) for h in on_host]
         parts.append(f"<h2>Gradient stacks kept on the host ({len(rows)})</h2>"
                      + _table(("stack", "kept per step", "iterations", "ops moved with it"), rows, numeric=(1, 2)))
+    if dropped:
+        rows = [(_code(h["stack"]), _size(h["bytes"]), str(h["trips"])) for h in dropped]
+        parts.append(f"<h2>Loop accumulators no op reads, their pushes taken out ({len(rows)})</h2>"
+                     + _table(("list", "no longer kept per step", "iterations"), rows, numeric=(1, 2)))
     if plan.get("recomputes"):
         parts.append(_recomputes(plan["recomputes"], levels))
     chains = plan.get("serialize") or ()

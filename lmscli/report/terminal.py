@@ -130,6 +130,9 @@ def render_analysis(console: Console, a, baseline=None) -> None:
                   + (f"{format_size(a.peak_in_host_stacks)} of it in gradient stacks lms can keep on the host, "
                      "the rest not swapped), " if a.peak_in_host_stacks else "not swapped), ")
                   + f"{format_size(a.peak_from_calls)} returned by function calls (their bodies not counted)")
+    if a.unread_accumulators:
+        t.add_row("unread accumulators", f"{a.unread_accumulators} loop accumulator(s) no op reads, keeping "
+                  f"{format_size(a.unread_accumulator_bytes)} per step (a rewrite takes out their pushes)")
     if a.unknown_tensors:
         t.add_row("unknown sizes",
                   f"[yellow]{a.unknown_tensors} tensor(s) of the step with unknown shape (counted as 0 bytes)[/]")
@@ -218,10 +221,13 @@ def render_tune(console: Console, result, details: dict | None = None) -> None:
                   f"again by {sum(len(r.ops) * len(r.groups) for r in plan.recomputes)} cloned op(s), "
                   f"{format_flops(pred.get('recompute_flops', 0))}, "
                   f"{pred.get('recompute_time_s', 0.0) * 1e3:.3f} ms of GPU time)")
-    if plan.host_stacks:
-        t.add_row("loop stacks on the host", f"{len(plan.host_stacks)} gradient stack(s) of while loops "
-                  f"({format_size(sum(h.bytes for h in plan.host_stacks))} kept off the GPU; their pushes and pops "
+    if plan.on_host:
+        t.add_row("loop stacks on the host", f"{len(plan.on_host)} gradient stack(s) of while loops "
+                  f"({format_size(sum(h.bytes for h in plan.on_host))} kept off the GPU; their pushes and pops "
                   f"copy {format_size(pred.get('stack_copy_bytes', 0) // 2)} each way per step)")
+    if plan.dropped:
+        t.add_row("accumulators dropped", f"{len(plan.dropped)} loop accumulator(s) no op reads, their pushes taken "
+                  f"out ({format_size(sum(h.bytes for h in plan.dropped))} no longer kept, nothing copied)")
     if plan.serial_loops:
         parallel = pred.get("peak_bytes_with_parallel_loops")
         t.add_row("serial loops", f"{len(plan.serial_loops)} while loop(s) run one iteration at a time "
@@ -229,7 +235,7 @@ def render_tune(console: Console, result, details: dict | None = None) -> None:
                   + (f"; the graph as written, its iterations running at once as the stand-in's traced steps "
                      f"showed, needs {format_size(parallel)}" if parallel else ""))
     held = f"{format_size(pred['host_peak_bytes'])} at most at once"
-    if plan.host_stacks:  # (QA: 11.25 MiB pinned beside 16.88 MiB of stacks read as a contradiction)
+    if plan.on_host:  # (QA: 11.25 MiB pinned beside 16.88 MiB of stacks read as a contradiction)
         held += " (each stack or swapped tensor from its first copy out to its last copy back)"
     t.add_row("host memory (pinned)", held)
     if pred["host_peak_bytes"] > dev["host_mem_bytes"]:
