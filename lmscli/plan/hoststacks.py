@@ -88,16 +88,6 @@ class Hostable:
     dropped: bool = False  # accumulators no op reads: their pushes are taken out, nothing is kept
 
     @property
-    def kept_bytes(self) -> int:
-        """What the stacks keep in host memory (nothing when dropped)."""
-        return 0 if self.dropped else self.num_bytes
-
-    @property
-    def moved_bytes(self) -> int:
-        """What their pushes copy out over one step (nothing when dropped)."""
-        return 0 if self.dropped else self.copy_bytes
-
-    @property
     def ops(self) -> tuple[int, ...]:
         return self.stacks + self.users
 
