@@ -120,7 +120,7 @@ class RewriteReport:
                      f"({format_size(self.host_stack_bytes)} per step)")
         if self.dropped_lists:
             line += (f"; took out the pushes of {self.dropped_lists} loop accumulator(s) no op reads "
-                     f"({format_size(self.dropped_bytes)} per step no longer kept)")
+                     f"({format_size(self.dropped_bytes)} in all no longer held to their loops' ends)")
         if self.serial_loops:
             line += f"; {self.serial_loops} while loop(s) set to run one iteration at a time"
         return line

@@ -1340,7 +1340,7 @@ def _tune_on(prepared: Prepared, device: Device, options: TuneOptions, margin: i
     if len(kept) < len(host_stacks):
         gone = [h for h in host_stacks if h.dropped]
         log.append(f"[LMS] [Simulator] taking out the pushes of {len(gone)} loop accumulator(s) no op reads "
-                   f"({format_size(sum(h.num_bytes for h in gone))} the GPU no longer keeps)")
+                   f"({format_size(sum(h.num_bytes for h in gone))} in all the GPU no longer holds to their loops' ends)")
     if options.strategy == "tflms" and options.tflms is not None:
         swaps = tflms_swaps(ctx.narrowed(), options.tflms)  # (what TFLMS itself swapped)
         result = ctx.simulate(swaps)

@@ -183,7 +183,7 @@ def _plan(doc: dict, svg: str | None) -> str:
                             f"{_size(pred.get('stack_copy_bytes', 0) // 2)} copied each way)", "-"))
     if dropped:
         memory_rows.append(("accumulators dropped", "-", f"{len(dropped)} no op reads "
-                            f"({_size(sum(h['bytes'] for h in dropped))} no longer kept)", "-"))
+                            f"({_size(sum(h['bytes'] for h in dropped))} in all no longer held to their loops' ends)", "-"))
     if plan.get("serial_loops"):
         memory_rows.append(("serial loops", "-", f"{len(plan['serial_loops'])} while loop(s) run one iteration at "
                             "a time (parallel_iterations 1)", "-"))

@@ -131,8 +131,9 @@ def render_analysis(console: Console, a, baseline=None) -> None:
                      "the rest not swapped), " if a.peak_in_host_stacks else "not swapped), ")
                   + f"{format_size(a.peak_from_calls)} returned by function calls (their bodies not counted)")
     if a.unread_accumulators:
-        t.add_row("unread accumulators", f"{a.unread_accumulators} loop accumulator(s) no op reads, keeping "
-                  f"{format_size(a.unread_accumulator_bytes)} per step (a rewrite takes out their pushes)")
+        t.add_row("unread accumulators", f"{a.unread_accumulators} loop accumulator(s) no op reads, "
+                  f"{format_size(a.unread_accumulator_bytes)} in all, each held to its loop's end, not all at once "
+                  "(a rewrite takes out their pushes)")
     if a.unknown_tensors:
         t.add_row("unknown sizes",
                   f"[yellow]{a.unknown_tensors} tensor(s) of the step with unknown shape (counted as 0 bytes)[/]")
@@ -227,7 +228,8 @@ def render_tune(console: Console, result, details: dict | None = None) -> None:
                   f"copy {format_size(pred.get('stack_copy_bytes', 0) // 2)} each way per step)")
     if plan.dropped:
         t.add_row("accumulators dropped", f"{len(plan.dropped)} loop accumulator(s) no op reads, their pushes taken "
-                  f"out ({format_size(sum(h.bytes for h in plan.dropped))} no longer kept, nothing copied)")
+                  f"out ({format_size(sum(h.bytes for h in plan.dropped))} in all no longer held to their loops' ends, "
+                  "nothing copied)")
     if plan.serial_loops:
         parallel = pred.get("peak_bytes_with_parallel_loops")
         t.add_row("serial loops", f"{len(plan.serial_loops)} while loop(s) run one iteration at a time "
