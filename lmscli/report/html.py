@@ -207,7 +207,7 @@ def _plan(doc: dict, svg: str | None) -> str:
     if dropped:
         rows = [(_code(h["stack"]), _size(h["bytes"]), str(h["trips"])) for h in dropped]
         parts.append(f"<h2>Loop accumulators no op reads, their pushes taken out ({len(rows)})</h2>"
-                     + _table(("list", "no longer kept per step", "iterations"), rows, numeric=(1, 2)))
+                     + _table(("list", "no longer held to its loop's end", "iterations"), rows, numeric=(1, 2)))
     if plan.get("recomputes"):
         parts.append(_recomputes(plan["recomputes"], levels))
     chains = plan.get("serialize") or ()
