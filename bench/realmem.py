@@ -165,7 +165,7 @@ def evaluate(label: str, spec, stand_in, log, from_share: float | None = None) -
             row = _measure(stand_in, rewritten, what, observation,
                            {"swapped_bytes": result.plan.swap_out_bytes,
                             "recomputed_bytes": result.plan.recompute_bytes,
-                            "hosted_bytes": sum(h.bytes for h in result.plan.host_stacks),
+                            "hosted_bytes": sum(h.bytes for h in result.plan.on_host),
                             "budget_bytes": limit})
             rows.append(row)
             log(f"{label}: {what} made at {row.budget_bytes:,} needs {row.min_limit_bytes:,} "
