@@ -533,13 +533,26 @@ def test_the_accumulators_no_op_reads_are_found(keras_rnn):
     assert not next(h for h in kept if h.stacks == dropped[0].stacks).dropped
 
 
-def test_a_plan_drops_the_accumulators_no_op_reads_and_trains_bit_identically(keras_rnn, runner, tmp_path):
-    """`lms rewrite --gpu-mem 6MiB` (the step as written peaks at 7.6 MiB): every list no op reads
-    is in the plan as dropped, its pushes are Identities of the list in the rewritten graph (under
-    their own names, nothing else changed), Grappler's optimizations treat the rest of the graph as
-    before (the guard let all of them through), and the rewrite trains bit-identically."""
+def test_a_plan_may_not_drop_a_list_the_gradient_reads(keras_rnn):
+    prepared = api.prepare(api.load(str(keras_rnn)))
+    view = prepared.view
+    popped = next(h for h in hoststacks.hostable(view) if h.pops)
+    planned = [PlannedHostStack(view.names[s], (), 0, h.trips, dropped=True) for h in [popped] for s in h.stacks]
+    with pytest.raises(PlanError, match="only accumulators no op reads can be dropped"):
+        hoststacks.named(view, planned)
+    unread = next(h for h in hoststacks.hostable(view) if h.dropped)  # (kept on the host instead: allowed)
+    assert not hoststacks.named(view, [PlannedHostStack(view.names[unread.stacks[0]], (), 0, unread.trips)])[0].dropped
+
+
+@pytest.mark.slow
+def test_dropped_accumulators_train_under_a_limit_the_original_runs_out_of_memory_at(keras_rnn, runner, tmp_path):
+    """`lms rewrite --stand-in --gpu-mem 6MiB`, then `lms verify --gpu-mem 6MiB`: the original
+    needs 8 MiB on the stand-in and runs out of memory; the rewrite trains, bit-identically. Every
+    list no op reads is in the plan as dropped (the optimizer guard let all of them through: it
+    looks through the pushes taken out), and its pushes are Identities of the list in the
+    rewritten graph, under their own names."""
     out = tmp_path / "rnn.lms.meta"
-    done = invoke(runner, "rewrite", keras_rnn, out, "--gpu-mem", "6MiB", "--reserve", "0", "--json")
+    done = invoke(runner, "rewrite", keras_rnn, out, "--gpu-mem", "6MiB", "--reserve", "0", "--stand-in", "--json")
     assert done.exit_code == 0, done.output
     doc = json.loads(done.stdout)
     dropped = [h for h in doc["plan"]["host_stacks"] if h.get("dropped")]
@@ -553,33 +566,6 @@ def test_a_plan_drops_the_accumulators_no_op_reads_and_trains_bit_identically(ke
             if original[name].op == "TensorListPushBack":
                 node = written[name]
                 assert node.op == "Identity" and list(node.input) == list(original[name].input[:1])
-    assert all(written[h["stack"]].op == "EmptyTensorList" for h in doc["plan"]["host_stacks"])
-    checked = invoke(runner, "verify", keras_rnn, out, "--json")
-    assert checked.exit_code == 0 and json.loads(checked.stdout)["identical"] is True, checked.output
-
-
-def test_a_plan_may_not_drop_a_list_the_gradient_reads(keras_rnn):
-    prepared = api.prepare(api.load(str(keras_rnn)))
-    view = prepared.view
-    popped = next(h for h in hoststacks.hostable(view) if h.pops)
-    planned = [PlannedHostStack(view.names[s], (), 0, h.trips, dropped=True) for h in [popped] for s in h.stacks]
-    with pytest.raises(PlanError, match="only accumulators no op reads can be dropped"):
-        hoststacks.named(view, planned)
-    unread = next(h for h in hoststacks.hostable(view) if h.dropped)  # (kept on the host instead: allowed)
-    assert not hoststacks.named(view, [PlannedHostStack(view.names[unread.stacks[0]], (), 0, unread.trips)])[0].dropped
-
-
-@pytest.mark.slow
-def test_dropped_accumulators_train_under_a_limit_the_original_runs_out_of_memory_at(keras_rnn, tmp_path):
-    """`lms rewrite --stand-in --gpu-mem 6MiB`, then `lms verify --gpu-mem 6MiB`: the original
-    needs 8 MiB on the stand-in and runs out of memory; the rewrite trains, bit-identically."""
-    from click.testing import CliRunner
-
-    runner = CliRunner()
-    out = tmp_path / "rnn.lms.meta"
-    done = invoke(runner, "rewrite", keras_rnn, out, "--gpu-mem", "6MiB", "--reserve", "0", "--stand-in", "--json")
-    assert done.exit_code == 0, done.output
-    assert len([h for h in json.loads(done.stdout)["plan"]["host_stacks"] if h.get("dropped")]) == 10
     checked = invoke(runner, "verify", keras_rnn, out, "--gpu-mem", "6MiB", "--json")
     proof = json.loads(checked.stdout)["limit"]
     assert checked.exit_code == 0 and proof["proven"], proof
