@@ -1229,9 +1229,10 @@ def _tune_one(prepared: Prepared, device: Device, options: TuneOptions, margin: 
     dropped = tuple(h for h in stacks if h.dropped)
     plain_log: list[str] = []
     plain = failed = None
-    if dropped and simulate(prepared.schedule, (), device.link_bandwidth).peak_bytes > device.budget - margin:
+    baseline = simulate(prepared.schedule, (), device.link_bandwidth) if dropped else None
+    if baseline is not None and baseline.peak_bytes > device.budget - margin:
         # (a plan is needed: accumulators no op reads go first, at no cost)
-        plain = _on_host(prepared, device, options, margin, dropped, plain_log)
+        plain = _on_host(prepared, device, options, margin, dropped, plain_log, baseline)
         if isinstance(plain, NoFitError):
             plain, failed = None, plain
     else:
@@ -1285,21 +1286,20 @@ def _with_host_stacks(prepared: Prepared, device: Device, options: TuneOptions, 
     tries = [tuple(chosen)] if chosen else []
     if len(chosen) < len(stacks):
         tries.append(tuple(stacks))
+    baseline = simulate(base, (), device.link_bandwidth)
     failed = None
     for hosted in tries:
-        lines: list[str] = []
-        result = _on_host(prepared, device, options, margin, hosted, lines)
-        if isinstance(result, NoFitError):
-            failed = result
-            continue
-        log.extend(lines)
-        return result
+        result = _on_host(prepared, device, options, margin, hosted, log, baseline)  # (logs only a plan)
+        if not isinstance(result, NoFitError):
+            return result
+        failed = result
     return failed
 
 
 def _on_host(prepared: Prepared, device: Device, options: TuneOptions, margin: int, hosted,
-             log: list[str]) -> TuneResult | NoFitError:
-    """A plan with the stacks ``hosted`` on the host (or dropped), its baseline the step as written."""
+             log: list[str], baseline) -> TuneResult | NoFitError:
+    """A plan with the stacks ``hosted`` on the host (or dropped); ``baseline``: the simulated step
+    as written, the plan's baseline."""
     base = prepared.schedule
     sched = hoststacks.hosting(base, prepared.view, hosted)
     lines: list[str] = []
@@ -1312,7 +1312,6 @@ def _on_host(prepared: Prepared, device: Device, options: TuneOptions, margin: i
         failed.log = tuple(lines)
         return failed
     log.extend(lines)
-    baseline = simulate(base, (), device.link_bandwidth)
     figures = predicted(baseline, result.result, device.budget, result.plan.predicted.get("recompute_flops", 0))
     return replace(result, baseline=baseline, necessary=True, plan=replace(result.plan, predicted=figures))
 
