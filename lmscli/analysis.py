@@ -47,6 +47,7 @@ class Prepared:
     untaken: frozenset = frozenset()  # ops of the smaller branch of each v1 cond, left out likewise
     # The StandIn a step prepared for the stand-in was observed on; its plans are judged there.
     stand_in: object = field(default=None, compare=False, repr=False)
+    judge_runs: int | None = None  # fresh runs per limit of the stand-in's judge (None: its default)
 
     @functools.cached_property
     def run_peak_bytes(self) -> int | None:

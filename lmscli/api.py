@@ -67,14 +67,17 @@ def stand_in_step(model: Model) -> Model:
     return model if fetches == tuple(model.fetches) else replace(model, fetches=fetches)
 
 
-def for_stand_in(prepared: Prepared, stand_in=None) -> Prepared:
+def for_stand_in(prepared: Prepared, stand_in=None, judge_runs: int = STAND_IN_JUDGE_RUNS) -> Prepared:
     """The step as the CPU stand-in GPU of ``lms verify --gpu-mem`` runs it: the kernel scratch of
     this machine's CPU kernels, the CPU executor's order and the CPU's op times, all observed in
     traced steps on the stand-in itself (see :mod:`lmscli.prove.scratch`); plans for it are
     judged by real runs there (:func:`stand_in_need`). For plans meant to be proven on the
     stand-in (with the stand-in's link: :data:`lmscli.device.STAND_IN_LINK`). ``stand_in``: the
     :class:`~lmscli.prove.standin.StandIn` to use (default: one shared by the process, stopped
-    at exit)."""
+    at exit); ``judge_runs``: the judge's fresh runs under each of its two limits (fewer: a faster
+    tune, less evidence against a run that varies)."""
+    if judge_runs < 1:
+        raise InputError(f"the stand-in's judge needs at least one run per limit, not {judge_runs}")
     from lmscli.prove.standin import shared
 
     if len(prepared.devices) > 1:
@@ -95,7 +98,7 @@ def for_stand_in(prepared: Prepared, stand_in=None) -> Prepared:
                            optimizer=optimizer)
     meta = with_graph_def(prepared.model.meta_graph, prepared.graph_def)
     seen = stand_in.observe(meta, prepared.model.fetches, batch_size=prepared.batch_size or 1)
-    return replace(_in_the_worst_order(prepared, seen), stand_in=stand_in)
+    return replace(_in_the_worst_order(prepared, seen), stand_in=stand_in, judge_runs=judge_runs)
 
 
 def _in_the_worst_order(prepared: Prepared, seen) -> Prepared:

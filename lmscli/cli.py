@@ -219,7 +219,11 @@ def plan_options(func):
     @click.option("--stand-in", "stand_in", is_flag=True,
                   help="Plan for the CPU stand-in GPU of `lms verify --gpu-mem`, not for a real GPU: count the scratch "
                        "buffers this machine's CPU kernels take and follow the CPU executor's op order, both observed "
-                       "in traced steps there, and judge each plan by five real runs under --gpu-mem.")
+                       "in traced steps there, and judge each plan by real runs there (see --judge-runs).")
+    @click.option("--judge-runs", type=click.IntRange(min=1), default=None, metavar="N",
+                  help="With --stand-in: fresh runs of each plan the judge makes under --gpu-mem, and as many under "
+                       "--gpu-mem less half the reserve (default 5). Fewer is faster and weaker evidence against a "
+                       "run that varies; `lms verify` proves the result anyway.")
     @click.option("--no-grappler-check", is_flag=True, help="Skip Grappler's estimate of the plan (its second opinion).")
     @click.option("--time-limit", type=click.FloatRange(min=0.0, min_open=True), metavar="SECONDS",
                   help="Stop refining after SECONDS (counted from the start) and return the best fitting plan "
@@ -251,6 +255,12 @@ def _tune_options(strategy, swapout_threshold, swapin_ahead, swapin_groupby, syn
                             sync_mode or 0)
     return TuneOptions(strategy=strategy, filters=filters, tflms=tflms, sync_mode=sync_mode or 0,
                        serial_loops=not keep_loop_parallelism, reorder=False if keep_order else None)
+
+
+def _judge_runs_need_the_stand_in(judge_runs, stand_in) -> None:
+    if judge_runs is not None and not stand_in:
+        raise click.UsageError("--judge-runs counts the stand-in judge's real runs: add --stand-in (without it, "
+                               "plans are judged by the executor model, not by runs)")
 
 
 def _device(prepared, gpu_mem, device_preset, reserve, host_mem, link):
@@ -399,11 +409,12 @@ def analyze(model, fmt, fetch, tag, batch_size, plot, report_file, stand_in, as_
 @output_options
 def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, host_mem, link, find_max_batch,
          plan_out, plot, report_file, as_json, verbose, quiet, no_color, no_grappler_check, judge, stand_in,
-         **plan_kwargs):
+         judge_runs, **plan_kwargs):
     """Plan the least swapping that fits a GPU, and predict its cost."""
     from lmscli import api
     from lmscli.report import terminal as report
 
+    _judge_runs_need_the_stand_in(judge_runs, stand_in)
     progress = _progress(quiet, as_json, no_color)
     with progress.phase(f"loading {model}"):
         loaded = _load(model, fmt, fetch, tag)
@@ -422,7 +433,7 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
             prepared = api.prepare(loaded, batch_size=batch_size, judge=judge)
             _warn_unknown_sizes(prepared, quiet)
             if stand_in:
-                prepared = api.for_stand_in(prepared)
+                prepared = api.for_stand_in(prepared, judge_runs=judge_runs or api.STAND_IN_JUDGE_RUNS)
                 link = link or STAND_IN_LINK
             device = _device(prepared, gpu_mem, device_preset, reserve, host_mem, link)
         with progress.phase("tuning" + ("" if no_grappler_check else ", then checking the plan with Grappler")), \
@@ -474,7 +485,7 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
 def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, host_mem, link, plan_file,
             serialize_levels, serialize_by_size, host_device, force, dry_run, plan_out, plot, report_file,
             tensorboard_logdir, as_json, verbose, quiet, no_color, no_grappler_check, judge, stand_in,
-            **plan_kwargs):
+            judge_runs, **plan_kwargs):
     """Write MODEL with swap-out and swap-in operations to OUTPUT (same format)."""
     from dataclasses import replace
 
@@ -488,6 +499,7 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
 
     if os.path.abspath(model) == os.path.abspath(output):
         raise InputError(f"{output}: refusing to overwrite the input; write to another file")
+    _judge_runs_need_the_stand_in(judge_runs, stand_in)
     progress = _progress(quiet, as_json, no_color)
     plan = None
     if plan_file:
@@ -512,7 +524,7 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
         prepared = api.prepare(loaded, batch_size=batch_size, judge=judge)
         _warn_unknown_sizes(prepared, quiet)
         if stand_in:
-            prepared = api.for_stand_in(prepared)
+            prepared = api.for_stand_in(prepared, judge_runs=judge_runs or api.STAND_IN_JUDGE_RUNS)
             link = link or STAND_IN_LINK
     options = _tune_options(**plan_kwargs)
     if plan is not None:

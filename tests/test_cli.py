@@ -36,6 +36,13 @@ def test_usage_error_is_exit_2(runner):
                                                                     "--host-mem", "12XB")):
         result = invoke(runner, *args)
         assert result.exit_code == 2 and "Invalid value" in result.output, (args, result.output)
+    # The stand-in judge's run count means nothing without the stand-in, and needs a run.
+    for args in (("tune", "x.pb", "--gpu-mem", "1GiB", "--judge-runs", "2"),
+                 ("rewrite", "x.pb", "y.pb", "--gpu-mem", "1GiB", "--judge-runs", "2")):
+        result = invoke(runner, *args)
+        assert result.exit_code == 2 and "add --stand-in" in result.output, (args, result.output)
+    result = invoke(runner, "tune", "x.pb", "--gpu-mem", "1GiB", "--stand-in", "--judge-runs", "0")
+    assert result.exit_code == 2 and "Invalid value" in result.output, result.output
 
 
 def test_console_script_entry_point():

@@ -51,7 +51,7 @@ def proven(residual, tmp_path_factory):
     out = tmp_path_factory.mktemp("proof") / "residual.lms.meta"
     runner = CliRunner()
     limit = int(bound + 0.5 * (prepared.run_peak_bytes - bound)) // MIB * MIB
-    done = invoke(runner, "rewrite", residual, out, "--gpu-mem", limit, "--stand-in", "-q", "--plan-out",
+    done = invoke(runner, "rewrite", residual, out, "--gpu-mem", limit, "--stand-in", "--judge-runs", "2", "-q", "--plan-out",
                   out.with_suffix(".plan.json"))
     assert done.exit_code == 0, done.output
     checked = invoke(runner, "verify", residual, out, "--gpu-mem", limit, "--json")
@@ -69,6 +69,8 @@ def test_a_stand_in_plan_applies_as_it_was_made_without_the_flag(proven, residua
     _limit, out, _doc, _code = proven
     plan = json.loads(out.with_suffix(".plan.json").read_text())
     assert plan["stand_in"] is True and plan["swaps"] + plan.get("recomputes", [])
+    judged = plan["predicted"]["stand_in"]  # (--judge-runs 2: two runs under the limit, two under the headroom's)
+    assert judged["fits"] and judged["runs_per_limit"] == 2 and judged["runs"] == 4 and judged["headroom_limit_bytes"]
     again = out.with_name("again.meta")
     done = invoke(CliRunner(), "rewrite", residual, again, "--plan", out.with_suffix(".plan.json"))
     assert done.exit_code == 0, done.output
@@ -348,8 +350,8 @@ def test_an_attention_model_is_proven_under_a_hard_limit(attention, tmp_path):
 
     runner = CliRunner()
     out = tmp_path / "transformer.lms.meta"
-    # (--time-limit: the first judged plan after a minute, not the one that swaps least)
-    done = invoke(runner, "rewrite", attention, out, "--gpu-mem", "15MiB", "--stand-in", "--json", "--time-limit", "60")
+    # (--time-limit: the first judged plan after 20 s, not the one that swaps least)
+    done = invoke(runner, "rewrite", attention, out, "--gpu-mem", "15MiB", "--stand-in", "--json", "--time-limit", "20")
     assert done.exit_code == 0, done.output
     plan = json.loads(done.stdout)["plan"]
     landings = [g for s in plan["swaps"] for g in s["swap_ins"] if g.get("landing")]
@@ -391,7 +393,7 @@ def test_the_stand_in_judges_a_plan_even_when_the_model_cannot_read_the_run_grap
     from lmscli.plan import tuning
     from lmscli.device import STAND_IN_LINK
 
-    prepared = api.for_stand_in(api.prepare(api.load(str(residual))))
+    prepared = api.for_stand_in(api.prepare(api.load(str(residual))), judge_runs=2)
     bound = api.analyze(prepared).lower_bound_bytes
     limit = int(bound + 0.5 * (prepared.run_peak_bytes - bound)) // MIB * MIB
     unread = replace(prepared)
@@ -415,7 +417,7 @@ def test_time_limit_settles_before_another_round_of_real_runs(residual, monkeypa
     from lmscli.plan import tuning
     from lmscli.device import STAND_IN_LINK
 
-    prepared = api.for_stand_in(api.prepare(api.load(str(residual))))
+    prepared = api.for_stand_in(api.prepare(api.load(str(residual))), judge_runs=2)
     bound = api.analyze(prepared).lower_bound_bytes
     limit = int(bound + 0.5 * (prepared.run_peak_bytes - bound)) // MIB * MIB
     rounds = []
@@ -506,6 +508,7 @@ def test_a_plan_must_also_fit_with_half_the_reserve_less():
 
         def run(self, meta, fetches, limit, **kw):
             self.limits.append(limit)
+            self.runs = kw["runs"]
             self.last_verdict = self.verdicts.pop(0)
             return self.last_verdict
 
@@ -521,7 +524,7 @@ def test_a_plan_must_also_fit_with_half_the_reserve_less():
              ([verdict(False, None, 21 * MIB)], [20], False))
     for verdicts, limits, fits in cases:
         fake = Fake(verdicts)
-        prepared = SimpleNamespace(stand_in=fake, model=SimpleNamespace(fetches=()), batch_size=1)
+        prepared = SimpleNamespace(stand_in=fake, model=SimpleNamespace(fetches=()), batch_size=1, judge_runs=None)
         need = judge.stand_in_need(prepared, meta_graph_pb2.MetaGraphDef(), device)
         assert [x // MIB for x in fake.limits] == limits
         assert judge.stand_in_need(prepared, meta_graph_pb2.MetaGraphDef(), device) == need  # judged once
@@ -531,6 +534,15 @@ def test_a_plan_must_also_fit_with_half_the_reserve_less():
             assert fake.last_verdict.limit_bytes == 20 * MIB and fake.last_verdict.runs == 5 + verdicts[1].runs
             assert fake.last_verdict.headroom_limit_bytes == 19 * MIB
             assert fake.last_verdict.fits == fits and (fits or "19.00 MiB" in fake.last_verdict.message)
+    # --judge-runs: that many runs under each limit, and judged anew (another key)
+    fake = Fake([verdict(True, 16 * MIB), verdict(True, 16 * MIB)])
+    prepared = SimpleNamespace(stand_in=fake, model=SimpleNamespace(fetches=()), batch_size=1, judge_runs=None)
+    judge.stand_in_need(prepared, meta_graph_pb2.MetaGraphDef(), device)
+    assert fake.runs == judge.STAND_IN_JUDGE_RUNS
+    fake.verdicts = [verdict(True, 16 * MIB), verdict(True, 16 * MIB)]
+    prepared.judge_runs = 2
+    judge.stand_in_need(prepared, meta_graph_pb2.MetaGraphDef(), device)
+    assert fake.runs == 2 and len(fake.limits) == 4
 
 
 @pytest.mark.slow
@@ -576,6 +588,9 @@ def test_the_judges_runs_are_told_under_both_limits():
     failed = _stand_in_line({"limit_bytes": 20 * MIB, "runs": 6, "steps": 2, "fits": False, "peak_in_use_bytes": None,
                              "failure": "under 19.00 MiB: out of memory", "headroom_limit_bytes": 19 * MIB})
     assert failed.startswith("5 run(s) of 2 step(s) under 20.00 MiB and 1 under 19.00 MiB: under 19.00 MiB")
+    fewer = _stand_in_line({"limit_bytes": 20 * MIB, "runs": 4, "runs_per_limit": 2, "steps": 2, "fits": True,
+                            "peak_in_use_bytes": None, "failure": None, "headroom_limit_bytes": 19 * MIB})
+    assert fewer.startswith("2 run(s) of 2 step(s) under 20.00 MiB and 2 under 19.00 MiB: trained")  # (--judge-runs 2)
 
 
 def test_the_verdict_says_when_the_run_under_the_limit_differs_from_the_rewrites_own():

@@ -143,10 +143,16 @@ STAND_IN_JUDGE_RUNS = 5  # fresh runs of a rewrite on the stand-in before its ju
 STAND_IN_JUDGE_STEPS = 2  # ... of this many training steps each, as `lms verify` runs
 
 
+def judge_runs(prepared: Prepared) -> int:
+    """How many fresh runs the stand-in's judge makes under each of its limits."""
+    return prepared.judge_runs or STAND_IN_JUDGE_RUNS
+
+
 @timed("judge on the stand-in")
 def stand_in_need(prepared: Prepared, rewritten, device: Device) -> int:
     """The rewritten step run on the stand-in GPU as ``lms verify --gpu-mem`` will run it: under
-    the device's whole memory (in whole MiB), :data:`STAND_IN_JUDGE_RUNS` fresh runs of
+    the device's whole memory (in whole MiB), :data:`STAND_IN_JUDGE_RUNS` (or
+    ``prepared.judge_runs``: ``--judge-runs``) fresh runs of
     :data:`STAND_IN_JUDGE_STEPS` steps, then as many under the limit less half the reserve (at
     least 1 MiB). When every run fits, the budget (or the peak in use under the limit, if less);
     when a run fails, the budget plus what it lacked (what it had in use and the request that
@@ -173,7 +179,7 @@ def stand_in_need(prepared: Prepared, rewritten, device: Device) -> int:
     limit, tighter = judged_limits(device)
     stand_in = prepared.stand_in
     key = (hashlib.sha256(rewritten.SerializeToString(deterministic=True)).hexdigest(), limit, tighter,
-           device.budget, tuple(prepared.model.fetches), prepared.batch_size)
+           device.budget, tuple(prepared.model.fetches), prepared.batch_size, judge_runs(prepared))
     if key not in stand_in.judged:
         figure = _stand_in_need(prepared, rewritten, device, limit, tighter)
         stand_in.judged[key] = (figure, stand_in.last_verdict)
@@ -189,7 +195,7 @@ def _stand_in_need(prepared: Prepared, rewritten, device: Device, limit: int, ti
     def runs(under: int):
         timing.step(f"running the rewritten step on the stand-in under {format_size(under)}")
         return stand_in.run(rewritten, prepared.model.fetches, under, batch_size=prepared.batch_size or 1,
-                            runs=STAND_IN_JUDGE_RUNS, steps=STAND_IN_JUDGE_STEPS, peak=True)
+                            runs=judge_runs(prepared), steps=STAND_IN_JUDGE_STEPS, peak=True)
 
     verdict = runs(limit)
     if not verdict.fits:

@@ -18,7 +18,7 @@ from lmscli import timing
 from lmscli.analysis import Prepared, prepare
 from lmscli.device import Device
 from lmscli.errors import InputError, NoFitError
-from lmscli.plan.judge import STAND_IN_JUDGE_STEPS, check_with_grappler, optimizer_culprits, run_peak
+from lmscli.plan.judge import STAND_IN_JUDGE_STEPS, check_with_grappler, judge_runs, optimizer_culprits, run_peak
 from lmscli.loader import Model
 from lmscli.plan.planner import TFLMS_SEARCH_MAX_OPS, TuneOptions, TuneResult, strategy_name
 from lmscli.emit.rewriter import DEFAULT_HOST_DEVICE, emit
@@ -341,6 +341,7 @@ def _checked_tune(prepared: Prepared, device: Device, options: TuneOptions, chec
                 verdict = prepared.stand_in.last_verdict if prepared.stand_in is not None else None
                 if verdict is not None:  # what the judge's real runs showed (run_peak_bytes: fits or not)
                     figures["stand_in"] = {"limit_bytes": verdict.limit_bytes, "runs": verdict.runs,
+                                           "runs_per_limit": judge_runs(prepared),
                                            "steps": STAND_IN_JUDGE_STEPS, "fits": verdict.fits,
                                            "peak_in_use_bytes": verdict.peak_bytes, "failure": verdict.message,
                                            "headroom_limit_bytes": verdict.headroom_limit_bytes}

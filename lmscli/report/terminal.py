@@ -329,7 +329,7 @@ def _stand_in_line(real: dict) -> str:
     if real.get("headroom_limit_bytes"):  # the judge's first runs fitted; the rest ran under its second limit
         from lmscli.plan.judge import STAND_IN_JUDGE_RUNS
 
-        first = min(real["runs"], STAND_IN_JUDGE_RUNS)
+        first = min(real["runs"], real.get("runs_per_limit", STAND_IN_JUDGE_RUNS))
         runs = (f"{first} run(s) of {real['steps']} step(s) under {limit} and {real['runs'] - first} under "
                 f"{format_size(real['headroom_limit_bytes'])}")
     if real["fits"]:
