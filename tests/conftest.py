@@ -64,6 +64,36 @@ def load_generator():
     return generate
 
 
+def generated(tmp_path_factory, model: str, **shape) -> Path:
+    """The sample generator's ``model`` at ``shape``, written to a fresh temporary folder."""
+    path = tmp_path_factory.mktemp(model) / f"{model}.meta"
+    path.write_bytes(load_generator().build(model, **shape).SerializeToString(deterministic=True))
+    return path
+
+
+@pytest.fixture(scope="module")
+def residual(tmp_path_factory):
+    """The generator's residual MLP (``synthetic``) at a batch where activations dominate: 131 MiB
+    without swapping on the stand-in, 26 MiB lower bound, no convolutions."""
+    return generated(tmp_path_factory, "synthetic", nodes=600, batch=2048, width=512)
+
+
+@pytest.fixture(scope="module")
+def attention(tmp_path_factory):
+    """The generator's transformer (two layers of attention and GELU MLP, layer norm): 23 MiB on
+    the stand-in, 9.6 MiB lower bound, no convolution scratch."""
+    return generated(tmp_path_factory, "transformer", batch=4, seq=128, d_model=128, heads=4, ffn=512, layers=2)
+
+
+@pytest.fixture(scope="module")
+def stand_in():
+    """A stand-in GPU of the test module's own (its zygote started once, stopped after)."""
+    from lmscli.prove.standin import StandIn
+
+    with StandIn() as s:
+        yield s
+
+
 def densenet_meta(path) -> Path:
     """The DenseNet-style net of ``make bench`` (b8 64², 3 blocks of 4 layers, growth 24), built
     by the sample generator and written to ``path``."""
