@@ -14,8 +14,17 @@ from lmscli.prove.standin import MIB
 from tests.conftest import SAMPLES
 
 
+@pytest.fixture(scope="module")
+def residual_step(residual):
+    """The residual MLP's step prepared for the stand-in (its judge making two runs per limit), and
+    a limit half-way from its lower bound to its need."""
+    prepared = api.for_stand_in(api.prepare(api.load(str(residual))), judge_runs=2)
+    bound = api.analyze(prepared).lower_bound_bytes
+    return prepared, int(bound + 0.5 * (prepared.run_peak_bytes - bound)) // MIB * MIB
+
+
 @pytest.mark.slow
-def test_the_stand_in_judges_a_plan_even_when_the_model_cannot_read_the_run_graph(residual, monkeypatch):
+def test_the_stand_in_judges_a_plan_even_when_the_model_cannot_read_the_run_graph(residual_step, monkeypatch):
     """QA: when the graph TensorFlow runs could not be modelled (``run_peak_bytes`` None), the
     judge was skipped, its real runs on the stand-in too, and a plan over the budget was written
     (exit 0) and ran out of memory in `lms verify`. The stand-in's judge now runs regardless, and
@@ -25,9 +34,7 @@ def test_the_stand_in_judges_a_plan_even_when_the_model_cannot_read_the_run_grap
     from lmscli.plan import tuning
     from lmscli.device import STAND_IN_LINK
 
-    prepared = api.for_stand_in(api.prepare(api.load(str(residual))), judge_runs=2)
-    bound = api.analyze(prepared).lower_bound_bytes
-    limit = int(bound + 0.5 * (prepared.run_peak_bytes - bound)) // MIB * MIB
+    prepared, limit = residual_step
     unread = replace(prepared)
     unread.__dict__["run_peak_bytes"] = None  # (a cached property)
     result = api.tune(unread, api.make_device(gpu_mem=limit, link=STAND_IN_LINK))
@@ -38,7 +45,7 @@ def test_the_stand_in_judges_a_plan_even_when_the_model_cannot_read_the_run_grap
 
 
 @pytest.mark.slow
-def test_time_limit_settles_before_another_round_of_real_runs(residual, monkeypatch):
+def test_time_limit_settles_before_another_round_of_real_runs(residual_step, monkeypatch):
     """QA: `--stand-in --time-limit 20` took 46 s: a round of the judge's real runs (five runs of
     the step) started though it would end past the limit. Once a judged plan is at hand, no round
     starts that, as long as the last, would end past it."""
@@ -49,9 +56,7 @@ def test_time_limit_settles_before_another_round_of_real_runs(residual, monkeypa
     from lmscli.plan import tuning
     from lmscli.device import STAND_IN_LINK
 
-    prepared = api.for_stand_in(api.prepare(api.load(str(residual))), judge_runs=2)
-    bound = api.analyze(prepared).lower_bound_bytes
-    limit = int(bound + 0.5 * (prepared.run_peak_bytes - bound)) // MIB * MIB
+    prepared, limit = residual_step
     rounds = []
     judged = judge.stand_in_need
 
@@ -270,7 +275,7 @@ def test_a_stand_in_step_is_planned_by_what_the_stand_ins_grappler_fuses(tmp_pat
     assert "_FusedBatchNormEx" not in seen["guard_stand_in"]
 
 
-def test_a_stand_in_plan_is_judged_as_it_will_be_written(residual):
+def test_a_stand_in_plan_is_judged_as_it_will_be_written(residual_step):
     """The judge's real runs run the rewrite of a plan as it will be written: a plan made for the
     stand-in says so from the planner on, so its swap-outs send through Identities in the judged
     rewrites too (when only the finished plan said so, the judged rewrites went without them, their
@@ -280,9 +285,7 @@ def test_a_stand_in_plan_is_judged_as_it_will_be_written(residual):
     from lmscli.emit.rewriter import emit
     from lmscli.plan import planner
 
-    prepared = api.for_stand_in(api.prepare(api.load(str(residual))))
-    bound = api.analyze(prepared).lower_bound_bytes
-    limit = int(bound + 0.5 * (prepared.run_peak_bytes - bound)) // MIB * MIB
+    prepared, limit = residual_step
     plan = planner.tune(prepared, api.make_device(gpu_mem=limit, link=STAND_IN_LINK)).plan
     assert plan.stand_in and plan.swaps
     assert emit(prepared, plan, force=True)[1].sent == len(plan.swaps)
