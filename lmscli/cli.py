@@ -10,14 +10,13 @@ import contextlib
 import json
 import os
 import sys
-import time
 import traceback
 from functools import wraps
 
 import click
 
 from lmscli import __version__
-from lmscli.cliopts import gpu_mem_text, size_text
+from lmscli.cliopts import gpu_mem_text, profile_options, size_text
 from lmscli.device import NO_BUDGET, STAND_IN_LINK
 from lmscli.device import PRESETS as _PRESETS
 from lmscli.errors import EXIT_ERROR, LmsError
@@ -127,43 +126,12 @@ def output_options(func):
     @click.option("-v", "--verbose", is_flag=True, help="Also print [LMS] log lines on stderr.")
     @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors (and --json output).")
     @click.option("--no-color", is_flag=True, help="Plain output without colours.")
-    @click.option("--profile", is_flag=True, help="When done, print on stderr where the time went, phase by phase.")
-    @click.option("--profile-out", type=click.Path(dir_okay=False), metavar="FILE.json",
-                  help="When done, write where the time went as JSON (schema lms.profile).")
+    @profile_options
     @wraps(func)
-    def wrapper(*args, profile=False, profile_out=None, **kwargs):
-        from lmscli.timing import Clock
-
-        limit = kwargs.pop("time_limit", None)
-        clock = Clock(deadline=None if limit is None else time.monotonic() + limit)
-        try:
-            with clock:
-                return func(*args, **kwargs)
-        finally:
-            if profile:
-                _print_profile(clock, kwargs.get("no_color", False))
-            if profile_out:
-                from lmscli.loader import atomic_write
-
-                doc = {"schema": "lms.profile", "version": 1, "command": click.get_current_context().info_name,
-                       **clock.to_dict()}
-                atomic_write(profile_out, (json.dumps(doc, indent=2) + "\n").encode("utf-8"))
+    def wrapper(*args, **kwargs):
+        return func(*args, **kwargs)
 
     return wrapper
-
-
-def _print_profile(clock, no_color: bool) -> None:
-    """--profile: each phase's calls and seconds, nested as they ran (inner phases are part of the
-    outer ones' time), and the whole command's wall time."""
-    from rich.table import Table
-
-    table = Table(title=f"time by phase ({clock.elapsed():.2f} s since the command started)", title_justify="left")
-    table.add_column("phase")
-    table.add_column("calls", justify="right")
-    table.add_column("seconds", justify="right")
-    for total in clock.table():
-        table.add_row("  " * total.depth + total.name, str(total.calls), f"{total.seconds:.2f}")
-    _console(no_color, stderr=True).print(table)
 
 
 def device_options(func):

@@ -4,6 +4,12 @@ kept as written: a percentage is resolved once the graph's peak is known."""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+import time
+from functools import wraps
+
 import click
 
 from lmscli.errors import InputError
@@ -31,3 +37,50 @@ def _checked(value, parse):
     except InputError as exc:
         raise click.BadParameter(str(exc)) from None
     return value
+
+
+def profile_options(func):
+    """``--profile`` and ``--profile-out``: the command runs under a :class:`lmscli.timing.Clock`
+    (with the deadline of ``--time-limit``, for the commands that have it), and where its time went,
+    phase by phase, is printed on stderr or written as JSON (schema lms.profile) when it ends."""
+
+    @click.option("--profile", is_flag=True, help="When done, print on stderr where the time went, phase by phase.")
+    @click.option("--profile-out", type=click.Path(dir_okay=False), metavar="FILE.json",
+                  help="When done, write where the time went as JSON (schema lms.profile).")
+    @wraps(func)
+    def wrapper(*args, profile=False, profile_out=None, **kwargs):
+        from lmscli.timing import Clock
+
+        limit = kwargs.pop("time_limit", None)
+        clock = Clock(deadline=None if limit is None else time.monotonic() + limit)
+        try:
+            with clock:
+                return func(*args, **kwargs)
+        finally:
+            if profile:
+                _print_profile(clock, kwargs.get("no_color", False))
+            if profile_out:
+                from lmscli.loader import atomic_write
+
+                doc = {"schema": "lms.profile", "version": 1, "command": click.get_current_context().info_name,
+                       **clock.to_dict()}
+                atomic_write(profile_out, (json.dumps(doc, indent=2) + "\n").encode("utf-8"))
+
+    return wrapper
+
+
+def _print_profile(clock, no_color: bool) -> None:
+    """--profile: each phase's calls and seconds, nested as they ran (inner phases are part of the
+    outer ones' time), and the whole command's wall time."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"time by phase ({clock.elapsed():.2f} s since the command started)", title_justify="left")
+    table.add_column("phase")
+    table.add_column("calls", justify="right")
+    table.add_column("seconds", justify="right")
+    for total in clock.table():
+        table.add_row("  " * total.depth + total.name, str(total.calls), f"{total.seconds:.2f}")
+    color = not no_color and "NO_COLOR" not in os.environ
+    Console(stderr=True, no_color=not color, color_system="auto" if color else None, highlight=False,
+            soft_wrap=not sys.stderr.isatty()).print(table)
