@@ -17,17 +17,16 @@ import sys
 
 import click
 
-from lmscli.cliopts import gpu_mem_text
+from lmscli.cliopts import gpu_mem_text, profile_options
 
 
 @contextlib.contextmanager
 def _progress(as_json: bool, no_color: bool):
-    """A clock for the library's phases and the status line that shows them (on a terminal)."""
+    """The status line that shows the library's phases (on a terminal), as they run under the
+    command's clock (:func:`lmscli.cliopts.profile_options`)."""
     from lmscli.progress import Progress
-    from lmscli.timing import Clock
 
-    with Clock():
-        yield Progress.for_output(as_json=as_json, no_color=no_color)
+    yield Progress.for_output(as_json=as_json, no_color=no_color)
 
 
 def _console(no_color: bool):
@@ -158,6 +157,7 @@ def _made_for_stand_in(graph_def) -> bool:
               help="With --gpu-mem: turn TensorFlow's graph optimizations (Grappler) off on the stand-in.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 @click.option("--no-color", is_flag=True, help="Plain output without colours.")
+@profile_options
 def verify(original, rewritten, steps, batch_size, fetch, loss, no_measure, tf_order, gpu_mem, runs, no_tf_optimize,
            as_json, no_color):
     """Prove on CPU that REWRITTEN trains bit-identically to ORIGINAL, and measure both peaks.
@@ -257,6 +257,7 @@ def _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, o
 @click.option("--no-tf-optimize", is_flag=True, help="Turn TensorFlow's graph optimizations (Grappler) off.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 @click.option("--no-color", is_flag=True, help="Plain output without colours.")
+@profile_options
 def measure(graphs, batch_size, fetch, runs, no_tf_optimize, as_json, no_color):
     """How much memory one training step of each GRAPH really needs.
 

@@ -20,6 +20,22 @@ def test_profile_lists_the_phases(samples, runner):
     assert res.stdout == ""
 
 
+def test_verify_and_measure_say_where_their_time_went(samples, runner, tmp_path):
+    """`lms verify` and `lms measure` take --profile and --profile-out like the planning commands
+    (a CI gate's minutes go to traced steps and runs on the stand-in: now they are told)."""
+    out = tmp_path / "verify.prof.json"
+    done = invoke(runner, "verify", samples / "mlp.meta", samples / "mlp.meta", "--no-measure", "--profile-out", out)
+    assert done.exit_code == 0, done.stderr
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "lms.profile" and doc["command"] == "verify"
+    names = [phase["phase"] for phase in doc["phases"]]
+    assert "load" in names and "train both graphs" in names, names
+    done = invoke(runner, "measure", samples / "mlp.meta", "--runs", "1", "--profile")
+    assert done.exit_code == 0, done.stderr
+    for phase in ("time by phase", "find the smallest limit", "predict", "traced steps on the stand-in"):
+        assert phase in done.stderr, phase
+
+
 def test_time_limit_returns_the_best_fitting_plan_found(samples, runner):
     """A limit that has passed before planning starts: the first fitting plan comes back, marked,
     and it swaps at least as much as the plan found without a limit."""

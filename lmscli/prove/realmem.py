@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass, field
 
 from lmscli import timing
+from lmscli.timing import timed
 from lmscli.errors import EXIT_OUT_OF_MEMORY, LmsError
 from lmscli.units import format_size
 
@@ -42,6 +43,7 @@ class Prediction:
     grappler_bytes: int | None  # Grappler's static estimate plus variables (a second opinion)
 
 
+@timed("predict")
 def predict(model, batch_size: int | None = None, observation=None, stand_in=None) -> tuple[Prediction, object]:
     """Predict one step of ``model`` (a loaded Model) on a GPU and on the stand-in. The stand-in's
     figure follows what traced steps of that graph on the stand-in show (kernel scratch, the
@@ -124,6 +126,7 @@ class Need:
                 "varies": self.varies, "probes": [list(x) for x in self.probes], "seconds": round(self.seconds, 2)}
 
 
+@timed("find the smallest limit")
 def measure_need(models, batch_size: int | None = None, runs: int = 3, optimize: bool = True,
                  stand_in=None, observation=None) -> tuple[Need, ...]:
     """The smallest limit (to 1 MiB) under which one step of each of ``models`` runs, each found by
@@ -192,6 +195,7 @@ class LimitProof:
                 "limited_difference": self.limited_difference, "notes": list(self.notes)}
 
 
+@timed("prove at the limit")
 def prove_at_limit(original, rewritten, limit_bytes: int, steps: int = 1, runs: int = 3,
                    batch_size: int | None = None, loss: str | None = None, optimize: bool = True,
                    stand_in=None) -> LimitProof:

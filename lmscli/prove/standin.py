@@ -61,6 +61,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from lmscli import timing
+from lmscli.timing import timed
 from lmscli.errors import InputError, LmsError
 from lmscli.prove._server import FIRST_REGION, is_child, kill_child
 from lmscli.emit.rewriter import is_lms_node
@@ -859,6 +860,7 @@ class StandIn:
         return _summarise(outcomes, limit, time.monotonic() - started)
 
     # -------------------------------------------------------- public API
+    @timed("runs on the stand-in")
     def run(self, meta_graph, fetches, limit_bytes: int | None, *, batch_size: int = 1, steps: int = 1,
             runs: int = 3, loss: str | None = None, peak: bool = False) -> StepVerdict:
         """Run ``steps`` training steps of ``fetches`` (op names) under ``limit_bytes`` (rounded down to
@@ -877,6 +879,7 @@ class StandIn:
         self.last_verdict = self._verdict(_prepare(meta_graph, fetches, loss), limit, batch_size, steps, runs, peak)
         return self.last_verdict
 
+    @timed("traced steps on the stand-in")
     def observe(self, meta_graph, fetches, *, batch_size: int = 1, loss: str | None = None):
         """Two training steps of ``fetches`` traced on the stand-in, in fresh processes as every run
         is: each op's kernel scratch and the order the stand-in's executor started the ops in, as

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lmscli.timing import timed
 from lmscli.errors import EXIT_DIFFERENT, InputError, LmsError
 from lmscli.prove.steps import (GPU_COPY_OPS, SCHEMA_VERSION, Difference, _check_cpu_kernels, compare, default_loss,
                                 map_gpu_ops, place_on_cpu, rewrite_batch_size, run_steps)
@@ -169,6 +170,7 @@ def _figures(model, fetches, batch_size, measure: bool, notes: list, label: str,
     return meta, figures
 
 
+@timed("train both graphs")
 def verify(original, rewritten, steps: int = 2, batch_size: int | None = None, measure: bool = True,
            loss: str | None = None, tf_order: bool = False) -> Verification:
     """Prove ``rewritten`` (a loaded Model) computes bit-identically what ``original`` does, and measure both.
