@@ -1,6 +1,7 @@
-"""Click option checks shared by the commands (no TensorFlow): a malformed value is a usage
-error (exit 2, Click's own message), caught before any graph is loaded. Values are checked but
-kept as written: a percentage is resolved once the graph's peak is known."""
+"""Click options shared by the commands (no TensorFlow). Checks: a malformed value is a usage
+error (exit 2, Click's own message), caught before any graph is loaded; values are checked but
+kept as written (a percentage is resolved once the graph's peak is known). And the command's
+clock: ``--profile``, ``--profile-out`` (:func:`profile_options`)."""
 
 from __future__ import annotations
 
