@@ -9,13 +9,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import traceback
 from functools import wraps
 
 import click
 
 from lmscli import __version__
+from lmscli.cliopts import console as _console
 from lmscli.cliopts import gpu_mem_text, profile_options, size_text
 from lmscli.device import NO_BUDGET, STAND_IN_LINK
 from lmscli.device import PRESETS as _PRESETS
@@ -243,15 +243,6 @@ def _device(prepared, gpu_mem, device_preset, reserve, host_mem, link):
         peak = simulate(prepared.schedule).peak_bytes
     return api.make_device(gpu_mem=gpu_mem_from_text(gpu_mem, peak), preset=device_preset, reserve=reserve,
                            host_mem=host_mem, link=link)
-
-
-def _console(no_color: bool, stderr: bool = False):
-    from rich.console import Console
-
-    color = not no_color and "NO_COLOR" not in os.environ
-    # --no-color means plain text: no colour and no bold or dim either (color_system=None).
-    return Console(stderr=stderr, no_color=not color, color_system="auto" if color else None, highlight=False,
-                   soft_wrap=not (sys.stderr if stderr else sys.stdout).isatty())
 
 
 def _load(path, fmt, fetch, tag):

@@ -73,7 +73,6 @@ def profile_options(func):
 def _print_profile(clock, no_color: bool) -> None:
     """--profile: each phase's calls and seconds, nested as they ran (inner phases are part of the
     outer ones' time), and the whole command's wall time."""
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"time by phase ({clock.elapsed():.2f} s since the command started)", title_justify="left")
@@ -82,6 +81,14 @@ def _print_profile(clock, no_color: bool) -> None:
     table.add_column("seconds", justify="right")
     for total in clock.table():
         table.add_row("  " * total.depth + total.name, str(total.calls), f"{total.seconds:.2f}")
+    console(no_color, stderr=True).print(table)
+
+
+def console(no_color: bool, stderr: bool = False):
+    """The rich Console a command renders on: plain text under --no-color or NO_COLOR (no colour,
+    no bold or dim either), lines left whole when not on a terminal."""
+    from rich.console import Console
+
     color = not no_color and "NO_COLOR" not in os.environ
-    Console(stderr=True, no_color=not color, color_system="auto" if color else None, highlight=False,
-            soft_wrap=not sys.stderr.isatty()).print(table)
+    return Console(stderr=stderr, no_color=not color, color_system="auto" if color else None, highlight=False,
+                   soft_wrap=not (sys.stderr if stderr else sys.stdout).isatty())

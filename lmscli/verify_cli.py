@@ -13,10 +13,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 
 import click
 
+from lmscli.cliopts import console as _console
 from lmscli.cliopts import gpu_mem_text, profile_options
 
 
@@ -27,14 +27,6 @@ def _progress(as_json: bool, no_color: bool):
     from lmscli.progress import Progress
 
     yield Progress.for_output(as_json=as_json, no_color=no_color)
-
-
-def _console(no_color: bool):
-    from rich.console import Console
-
-    color = not no_color and "NO_COLOR" not in os.environ
-    return Console(no_color=not color, color_system="auto" if color else None, highlight=False,
-                   soft_wrap=not sys.stdout.isatty())
 
 
 def _render(console, result) -> None:
@@ -306,7 +298,6 @@ def _short_paths(paths) -> tuple[str, list[str]]:
     """``(folder, names)``: the folder all ``paths`` are in (``""`` if none or ``.``) and each path
     below it, for a table whose rows the names must tell apart (QA: paths folded every 10
     characters, "/work/qa/r | ound29/out | m_70MiB.me | ta")."""
-    import os
 
     if not paths:
         return "", []
