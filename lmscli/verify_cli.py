@@ -10,7 +10,6 @@ group with ``cli.add_command``. Exit codes: 0 proven, 1 a graph that fails to ru
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 
@@ -18,15 +17,6 @@ import click
 
 from lmscli.cliopts import console as _console
 from lmscli.cliopts import gpu_mem_text, profile_options
-
-
-@contextlib.contextmanager
-def _progress(as_json: bool, no_color: bool):
-    """The status line that shows the library's phases (on a terminal), as they run under the
-    command's clock (:func:`lmscli.cliopts.profile_options`)."""
-    from lmscli.progress import Progress
-
-    yield Progress.for_output(as_json=as_json, no_color=no_color)
 
 
 def _render(console, result) -> None:
@@ -162,23 +152,24 @@ def verify(original, rewritten, steps, batch_size, fetch, loss, no_measure, tf_o
     of memory there.
     """
     from lmscli import api
+    from lmscli.progress import Progress
     from lmscli.prove import verify as verifier
     from lmscli.prove.steps import rewrite_batch_size
 
     fetches = fetch.split(",") if fetch else None
-    with _progress(as_json, no_color) as progress:
-        with progress.phase("loading"):
-            model_a = api.load(original, fetch=fetches)
-            model_b = api.load(rewritten, fetch=list(model_a.fetches))
-            batch_size = rewrite_batch_size(model_a.meta_graph, model_b.meta_graph, batch_size)
-        if gpu_mem is not None:
-            with progress.phase("proving on the stand-in GPU"):
-                _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, not no_tf_optimize,
-                                 as_json, no_color)
-            return
-        with progress.phase("training both graphs"):
-            result = verifier.verify(model_a, model_b, steps=steps, batch_size=batch_size, measure=not no_measure,
-                                     loss=loss, tf_order=tf_order)
+    progress = Progress.for_output(as_json=as_json, no_color=no_color)
+    with progress.phase("loading"):
+        model_a = api.load(original, fetch=fetches)
+        model_b = api.load(rewritten, fetch=list(model_a.fetches))
+        batch_size = rewrite_batch_size(model_a.meta_graph, model_b.meta_graph, batch_size)
+    if gpu_mem is not None:
+        with progress.phase("proving on the stand-in GPU"):
+            _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, not no_tf_optimize,
+                             as_json, no_color)
+        return
+    with progress.phase("training both graphs"):
+        result = verifier.verify(model_a, model_b, steps=steps, batch_size=batch_size, measure=not no_measure,
+                                 loss=loss, tf_order=tf_order)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
@@ -259,20 +250,21 @@ def measure(graphs, batch_size, fetch, runs, no_tf_optimize, as_json, no_color):
     to compare them.
     """
     from lmscli import api
+    from lmscli.progress import Progress
     from lmscli.prove import realmem
     from lmscli.prove.steps import rewrite_batch_size
 
     fetches = fetch.split(",") if fetch else None
-    with _progress(as_json, no_color) as progress:
-        with progress.phase("loading"):
-            models = [api.load(graphs[0], fetch=fetches)]
-            models += [_load_like(path, models[0], fetches) for path in graphs[1:]]
-        # A rewrite made with --batch-size N is measured at N, and its original with it (QA: the
-        # original was measured at batch 1 beside its rewrite at 32, 2 MiB against 16).
-        for other in models[1:]:
-            batch_size = rewrite_batch_size(models[0].meta_graph, other.meta_graph, batch_size)
-        with progress.phase("measuring on the stand-in GPU"):
-            needs = realmem.measure_need(models, batch_size=batch_size, runs=runs, optimize=not no_tf_optimize)
+    progress = Progress.for_output(as_json=as_json, no_color=no_color)
+    with progress.phase("loading"):
+        models = [api.load(graphs[0], fetch=fetches)]
+        models += [_load_like(path, models[0], fetches) for path in graphs[1:]]
+    # A rewrite made with --batch-size N is measured at N, and its original with it (QA: the
+    # original was measured at batch 1 beside its rewrite at 32, 2 MiB against 16).
+    for other in models[1:]:
+        batch_size = rewrite_batch_size(models[0].meta_graph, other.meta_graph, batch_size)
+    with progress.phase("measuring on the stand-in GPU"):
+        needs = realmem.measure_need(models, batch_size=batch_size, runs=runs, optimize=not no_tf_optimize)
     if as_json:
         click.echo(json.dumps({"schema": "lms.measure", "version": 1, "runs": runs,
                                "graphs": [n.to_dict() for n in needs]}, indent=2))
