@@ -67,16 +67,16 @@ def stand_in_step(model: Model) -> Model:
     return model if fetches == tuple(model.fetches) else replace(model, fetches=fetches)
 
 
-def for_stand_in(prepared: Prepared, stand_in=None, judge_runs: int = STAND_IN_JUDGE_RUNS) -> Prepared:
+def for_stand_in(prepared: Prepared, stand_in=None, judge_runs: int | None = None) -> Prepared:
     """The step as the CPU stand-in GPU of ``lms verify --gpu-mem`` runs it: the kernel scratch of
     this machine's CPU kernels, the CPU executor's order and the CPU's op times, all observed in
     traced steps on the stand-in itself (see :mod:`lmscli.prove.scratch`); plans for it are
     judged by real runs there (:func:`stand_in_need`). For plans meant to be proven on the
     stand-in (with the stand-in's link: :data:`lmscli.device.STAND_IN_LINK`). ``stand_in``: the
     :class:`~lmscli.prove.standin.StandIn` to use (default: one shared by the process, stopped
-    at exit); ``judge_runs``: the judge's fresh runs under each of its two limits (fewer: a faster
-    tune, less evidence against a run that varies)."""
-    if judge_runs < 1:
+    at exit); ``judge_runs``: the judge's fresh runs under each of its two limits (default
+    :data:`STAND_IN_JUDGE_RUNS`; fewer: a faster tune, less evidence against a run that varies)."""
+    if judge_runs is not None and judge_runs < 1:
         raise InputError(f"the stand-in's judge needs at least one run per limit, not {judge_runs}")
     from lmscli.prove.standin import shared
 

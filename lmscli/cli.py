@@ -392,7 +392,7 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
             prepared = api.prepare(loaded, batch_size=batch_size, judge=judge)
             _warn_unknown_sizes(prepared, quiet)
             if stand_in:
-                prepared = api.for_stand_in(prepared, judge_runs=judge_runs or api.STAND_IN_JUDGE_RUNS)
+                prepared = api.for_stand_in(prepared, judge_runs=judge_runs)
                 link = link or STAND_IN_LINK
             device = _device(prepared, gpu_mem, device_preset, reserve, host_mem, link)
         with progress.phase("tuning" + ("" if no_grappler_check else ", then checking the plan with Grappler")), \
@@ -483,7 +483,7 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
         prepared = api.prepare(loaded, batch_size=batch_size, judge=judge)
         _warn_unknown_sizes(prepared, quiet)
         if stand_in:
-            prepared = api.for_stand_in(prepared, judge_runs=judge_runs or api.STAND_IN_JUDGE_RUNS)
+            prepared = api.for_stand_in(prepared, judge_runs=judge_runs)
             link = link or STAND_IN_LINK
     options = _tune_options(**plan_kwargs)
     if plan is not None:
