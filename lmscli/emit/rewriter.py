@@ -49,6 +49,14 @@ reaches ``Q``'s clone through ``x-lms-recompute-gate-0-0``, which has the contro
 remapper fuses no op with a control edge, and the clones must fuse as the originals do. Ops that
 update a variable the clones read wait for a ``done`` Identity of the last clone.
 
+Clones may read a swap-in, or the clones of another recomputation (``via``: a dense block's
+concatenation made again from the clone of the one before it, itself made again)::
+
+    before                           after
+    x --> A --a--> B --b--> C        x --> A --a--> B --b--> C
+            --a--> GA                x --> gate --> A-lms-recompute-0 --a'--> GA
+                   --b--> GB                        a' --> gate --> B-lms-recompute-0 --b'--> GB
+
 A gradient stack kept on the host (:mod:`lmscli.plan.hoststacks`) is moved, not copied: its
 ``StackV2`` and the pushes, pops and closes using its handle (a TensorList accumulator: every op
 the list passes through) get the host device and lose their ``_class`` colocation, so TensorFlow
@@ -273,7 +281,8 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
         node = swapin_nodes.get(name)
         return node.attr["T"].type if node is not None else None
 
-    for rec in plan.recomputes:
+    remade: dict[tuple[str, int, int], tuple[str, int]] = {}  # (producer, output, group) -> its clone's output
+    for rec in _sources_first(plan.recomputes):
         producer, output, _ = parse_input(rec.tensor)
         missing = [op for op in rec.ops + (producer,) if op not in nodes]
         if missing:
@@ -295,18 +304,23 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
                 gates.append(node.name)
                 return node.name
 
-            read_from = {}  # sources the clones read from a swap-in: (node, output) -> swap-in node
+            read_from = {}  # sources the clones read from a swap-in or another recomputation's clones
             for tensor, k in rec.via:
                 src, src_out, _ = parse_input(tensor)
-                if (src, src_out, k) not in swapins:
-                    raise PlanError(f"the plan recomputes {rec.tensor!r} from swap-in {k} of {tensor!r}, "
-                                    "which the plan does not make")
-                read_from[(src, src_out)] = swapins[(src, src_out, k)]
+                if (src, src_out, k) in swapins:
+                    read_from[(src, src_out)] = (swapins[(src, src_out, k)], 0)
+                elif (src, src_out, k) in remade:
+                    read_from[(src, src_out)] = remade[(src, src_out, k)]
+                else:
+                    raise PlanError(f"the plan recomputes {rec.tensor!r} from swap-in or recomputation {k} of "
+                                    f"{tensor!r}, which the plan does not make")
 
             def source(src: str, port: int, read_from=read_from) -> tuple[str, int]:
-                return (read_from[(src, port)], 0) if (src, port) in read_from else (src, port)
+                return read_from.get((src, port), (src, port))
 
             clones = _clone_chain(graph, nodes, rec.ops, f"recompute-{g}", unique, gate, source)
+            remade[(producer, output, g)] = (clones[producer], output)
+            dtypes[(clones[producer], output)] = dtypes.get((producer, output))
             added.extend(clones.values())
             n_clones += len(clones)
             n_re += 1
@@ -497,6 +511,29 @@ def _rewire(nodes: dict, consumers, refs: set, new: str, tensor: str) -> None:
                 hits += 1
         if hits == 0:
             raise PlanError(f"{consumer!r} does not read {tensor!r}; the plan does not match the graph")
+
+
+def _sources_first(recomputes) -> list:
+    """``recomputes`` with each one whose clones read another's clones (``via``) after that one
+    (a plan lms makes lists them so already; a plan edited by hand may not)."""
+    by_tensor = {r.tensor: r for r in recomputes}
+    done: set = set()
+    out: list = []
+
+    def visit(rec, path: frozenset) -> None:
+        if rec.tensor in done:
+            return
+        if rec.tensor in path:
+            raise PlanError(f"the plan recomputes {rec.tensor!r} from its own clones (through 'via')")
+        for tensor, _k in rec.via:
+            if tensor in by_tensor:
+                visit(by_tensor[tensor], path | {rec.tensor})
+        done.add(rec.tensor)
+        out.append(rec)
+
+    for rec in recomputes:
+        visit(rec, frozenset())
+    return out
 
 
 def _clone_chain(graph, nodes: dict, ops, kind: str, unique, gate, source) -> dict[str, str]:

@@ -15,7 +15,8 @@ Model of one training step (times are whole microseconds, so equal times are exa
   consumers have ended. When its trigger ends, the cloned ops run on the GPU (``cost``
   microseconds, delaying every later op) into a new buffer, freed when its last consumer ends;
   ``extra`` bytes of intermediate results are held while the clones run. Clones that read a
-  source from a swap-in (``via``) wait for it.
+  source from a swap-in or from another recomputation's clones (``via``) wait for it, and its
+  buffer stays until they have run.
 * ``sync_out`` makes the near consumers wait for the swap-out as well; ``waiters`` are other ops
   that wait for it (so the GPU copy is gone before they allocate).
 * A swap-in's ``landing`` op waits until its transfer is done (stand-in plans: the transfer then
@@ -191,7 +192,8 @@ def simulate(schedule: Schedule, swaps=(), link_bandwidth: float = math.inf, det
             send(tid, end[k])
         # Swap-ins start in trigger order on the host-to-device stream.
         # Swap-ins first: clones may read one that this op's end starts.
-        for tid, g in sorted(triggered.get(k, ()), key=lambda x: (swap_of[x[0]].recompute, x)):
+        # (Recomputations in the order of their tensors: one whose clones read another's runs after it.)
+        for tid, g in sorted(triggered.get(k, ()), key=lambda x: (swap_of[x[0]].recompute, tensors[x[0]].producer, x)):
             if swap_of[tid].recompute:  # the clones run on the GPU now (once what they read is back)
                 ready = max([clock] + [in_end[v] for v in swap_of[tid].via if v in in_end])
                 in_start[(tid, g)] = ready
@@ -332,12 +334,27 @@ def _read_by_clones(schedule, swap_of, in_end) -> dict[int, tuple[int, int]]:
     return held
 
 
+def _read_via(swap_of, in_end) -> dict[tuple[int, int], tuple[int, int]]:
+    """Per swap-in or recomputation group another recomputation's clones read (``via``), when the
+    last of those clones ends: its buffer stays until then. (Planned clones run before the group's
+    last consumer; a plan read back from JSON may say otherwise.)"""
+    out: dict[tuple[int, int], tuple[int, int]] = {}
+    for tid, swap in swap_of.items():
+        if not swap.recompute:
+            continue
+        for key in swap.via:
+            for g, group in enumerate(swap.groups):
+                out[key] = max(out.get(key, (0, 0)), (in_end[(tid, g)], 4 * group.trigger + 3))
+    return out
+
+
 def _grappler_events(schedule, swap_of, start, end, out_start, out_end, in_start, in_end):
     """Memory events of Grappler's accounting: every output a tensor of its own, live from its
     producer's start to its last consumer's end (or the end of the clones that read it); at one
     instant allocations come first."""
     events = []
     held = _read_by_clones(schedule, swap_of, in_end)
+    via_read = _read_via(swap_of, in_end)
     for t in schedule.tensors:
         p = t.producer
         swap = swap_of.get(t.id)
@@ -350,7 +367,8 @@ def _grappler_events(schedule, swap_of, start, end, out_start, out_end, in_start
         events.append((free_at, 1, 1, t.id, -t.num_bytes))
         for g, group in enumerate(swap.groups):
             events.append((in_start[(t.id, g)], 0, 0, t.id, t.num_bytes))
-            events.append((end[group.consumers[-1]], 1, 0, t.id, -t.num_bytes))
+            events.append((max(end[group.consumers[-1]], via_read.get((t.id, g), (0, 0))[0]), 1, 0, t.id,
+                           -t.num_bytes))
             if swap.extra:
                 events.append((in_start[(t.id, g)], 0, 2, -1 - t.id, swap.extra))
                 events.append((in_end[(t.id, g)], 1, 2, -1 - t.id, -swap.extra))
@@ -434,6 +452,7 @@ def _executor_events(schedule, swap_of, start, end, out_start, out_end, in_start
         if key is not None:  # (held until the clones reading it have run)
             free[key] = max(free[key], until)
     events = []
+    via_read = _read_via(swap_of, in_end)
     for tid in sorted(swap_of):
         for g, group in enumerate(swap_of[tid].groups):
             key = ("in", tid, g)
@@ -443,7 +462,7 @@ def _executor_events(schedule, swap_of, start, end, out_start, out_end, in_start
             order = 4 * group.trigger + 3 if swap_of[tid].recompute else 4 * running(at)
             alloc[key] = (at, order, rounded(tensors[tid].num_bytes))
             last = group.consumers[-1]
-            free[key] = max(free.get(key, (0, 0)), (end[last], 4 * last + 2))
+            free[key] = max(free.get(key, (0, 0)), (end[last], 4 * last + 2), via_read.get((tid, g), (0, 0)))
             if swap_of[tid].extra:  # intermediate results of the clones, while they run
                 events.append((at, order, 2, -1 - tid, swap_of[tid].extra))
                 events.append((in_end[(tid, g)], order, 2, -1 - tid, -swap_of[tid].extra))

@@ -180,8 +180,13 @@ def without(plan, tensors, ops):
 
     drop, gone = set(ops), set(tensors)
     chains = tuple(c for c in (tuple(op for op in chain if op not in drop) for chain in plan.serialize) if len(c) > 1)
-    # A recomputation reading one of the dropped swaps' swap-ins goes too.
+    # A recomputation reading one of the dropped swaps' swap-ins, or the clones of a dropped
+    # recomputation, goes too (and so on).
+    while True:
+        more = {r.tensor for r in plan.recomputes if r.tensor not in gone and any(v in gone for v, _g in r.via)}
+        if not more:
+            break
+        gone |= more
     return replace(plan, swaps=tuple(s for s in plan.swaps if s.tensor not in gone), serialize=chains,
                    host_stacks=tuple(h for h in plan.host_stacks if h.stack not in gone),
-                   recomputes=tuple(r for r in plan.recomputes
-                                    if r.tensor not in gone and not any(v in gone for v, _g in r.via)))
+                   recomputes=tuple(r for r in plan.recomputes if r.tensor not in gone))

@@ -380,6 +380,7 @@ class _Choice:
     holds: tuple = ()  # a recomputation: (first, last, bytes) of sources kept for its clones beyond their last use
     replaces: "_Choice | None" = None  # a chosen swap of the same tensor this one brings back later
     adds: bool = False  # a chosen swap brought back once more (:func:`_second_swap_in`): its old span stays free
+    feeds: tuple = ()  # a recomputation of a chosen one's source: (reader, its swap before, after) (:func:`_rebased`)
 
 
 def _busy_blocks(transfers) -> list[tuple[int, int]]:
@@ -485,14 +486,16 @@ def _swap_in_trigger(ctx: _Context, far: tuple[int, ...], earliest: int, transfe
 
 
 def _gap_recompute(ctx: _Context, cand: Candidate, p: int, result: SimResult, chosen: dict,
-                   hold: bool = False) -> _Choice | None:
+                   hold: bool = False, latest: int | None = None, chain: bool = False) -> _Choice | None:
     """Make ``cand`` again across position ``p``: the original for uses before p, clones of a
     recipe (run when the latest ancestor of the first later use ends) for the uses after p.
     ``hold``: a recipe may keep sources the step has dropped by then (:func:`_holds`); the greedy
     hybrid does not (its per-tensor costs then chose many costly recomputations over swaps the
     link hid: a transformer's step at 75% on PCIe 3 went from +5% to +17%), but it takes the
     recompute-only plan when that is faster, and turns swaps into such recomputations when that
-    shortens the judged step (:func:`_with_recomputations`)."""
+    shortens the judged step (:func:`_with_recomputations`). With ``chain``, a recipe may read a
+    source that is made again itself, from that recomputation's clones, when they are there as its
+    own clones run (:func:`_via_recomputed`). ``latest``: the last position the trigger may take."""
     recipes = ctx.recipes.get(cand.tensor)
     if not recipes:
         return None
@@ -503,7 +506,10 @@ def _gap_recompute(ctx: _Context, cand: Candidate, p: int, result: SimResult, ch
     near, far = split
     if ctx.cap(far) < len(ctx.entry_cap):
         return None  # (a loop's Enter is fed by swap-ins only)
-    trig = ctx.latest_trigger(far[0], max(near[-1] if near else t.producer, p), ctx.need(far))
+    earliest = max(near[-1] if near else t.producer, p)
+    trig = ctx.latest_trigger(far[0], earliest, ctx.need(far))
+    if trig is not None and latest is not None and trig > latest:
+        trig = ctx.trigger(far[0], latest, earliest, ctx.need(far)) if latest >= earliest else None
     if trig is None:
         return None
     starts = result.starts
@@ -514,13 +520,14 @@ def _gap_recompute(ctx: _Context, cand: Candidate, p: int, result: SimResult, ch
     # whose sources the step has dropped by then can be kept that long for less than it frees.
     held_choice = None
     for recipe in recipes:
-        if (any(any(m in chosen for m in ctx.buffers.group(s)) for s in recipe.sources)
+        via = _via_recomputed(ctx, recipe, chosen, trig, chain)
+        if (via is None
                 or not all(w > trig and branch_safe(ctx.tags[trig], ctx.tags[w]) for w in recipe.writers)
                 or any(s in chosen for s in recipe.small)):
             continue
-        dropped = [s for s in recipe.sources if not ctx.buffers.alive(s, trig, t.id)]
+        dropped = [s for s in recipe.sources if not ctx.buffers.alive(s, trig, t.id) and (s, 0) not in via]
         swap = SimSwap(t.id, tuple(near), (SwapIn(tuple(far), trig),), waiters=recipe.writers, kind="recompute",
-                       cost=recipe.cost, extra=recipe.extra, chain=recipe.positions)
+                       cost=recipe.cost, extra=recipe.extra, chain=recipe.positions, via=via)
         if not dropped:
             return _Choice(swap, lo, trig, t.num_bytes, 0, recipe, recipe.cost)
         if held_choice is None and hold:
@@ -531,6 +538,65 @@ def _gap_recompute(ctx: _Context, cand: Candidate, p: int, result: SimResult, ch
 
 
 HOLD_SHARE = 0.5  # sources kept for a recomputation beyond their last use: at most this share of what it frees
+
+
+def _via_recomputed(ctx: _Context, recipe, chosen: dict, trig: int, chain: bool = True) -> tuple | None:
+    """The ``via`` of clones of ``recipe`` run when ``trig`` ends: ``(source, 0)`` for each source
+    made again itself by a chosen recomputation whose clones are there then (made at or before
+    ``trig``, read by an op after it); () when no source is chosen; None when a source, or a
+    tensor sharing its buffer, is chosen otherwise (swapped, made again too late, or at all
+    without ``chain``)::
+
+        x --> A --a--> B --b--> ...            (a and b made again; b's clones read a's)
+        ... trig_a --> A' --a'--> gradA        a' made when trig_a ends, read until gradA
+              trig_b --> B'(a') --b'--> gradB  trig_a <= trig_b < gradA
+    """
+    via = []
+    for s in recipe.sources:
+        members = [m for m in ctx.buffers.group(s) if m in chosen]
+        if not members:
+            continue
+        c = chosen[s] if members == [s] and chain else None
+        if c is None or c.recipe is None or len(c.swap.groups) != 1:
+            return None
+        group = c.swap.groups[0]
+        if not group.trigger <= trig < group.consumers[-1]:
+            return None
+        via.append((s, 0))
+    return tuple(via)
+
+
+def _rebased(ctx: _Context, chosen: dict, tid: int, p: int, result: SimResult, hold: bool) -> _Choice | None:
+    """Make ``tid`` again though chosen recomputations read it (it is *held*): a recomputation of
+    its own whose clones run no later than theirs and stay until they have run, theirs then reading
+    its clones (``feeds``); None when one of them reads it where that cannot be (it keeps ``tid``
+    beyond its last use, reads it as a small source, or reads a tensor sharing its buffer)::
+
+        before: a kept from the forward pass to gradA; b made again from a when trig_b ends
+        after:  a dropped after B; made again when trig_a <= trig_b ends; b's clones read a'
+    """
+    group = ctx.buffers.group(tid)
+    readers = []
+    for r, c in chosen.items():
+        if c.recipe is None:
+            continue
+        reads = [src for src in c.recipe.sources + c.recipe.small if src in group]
+        if not reads:
+            continue
+        if reads != [tid] or tid in c.recipe.small or not ctx.buffers.alive(tid, c.hi, r):
+            return None
+        readers.append(r)
+    if not readers:
+        return None
+    first = min(chosen[r].hi for r in readers)
+    choice = _gap_recompute(ctx, ctx.cands[tid], p, result, chosen, hold=hold, latest=first, chain=True)
+    if choice is None:
+        return None
+    if max(chosen[r].hi for r in readers) >= choice.swap.groups[0].consumers[-1]:
+        return None
+    choice.feeds = tuple((r, chosen[r].swap, replace(chosen[r].swap, via=chosen[r].swap.via + ((tid, 0),)))
+                         for r in sorted(readers))
+    return choice
 
 
 def _holds(ctx: _Context, sources, made: int, trig: int):
@@ -574,6 +640,12 @@ STALL_JUDGEMENTS = 8  # full re-simulations without less total excess before giv
 # is the cheapest for its tensor alone, and on a slow link a plan of many small swaps can cost more
 # than one that recomputes them all (QA: an encoder's GELU and layer-norm outputs, PCIe 3).
 PREFER_RECOMPUTE = "prefer-recompute"
+# A recompute-only run whose recipes may read the clones of other recomputations, and which makes
+# a tensor chosen recomputations read again itself where their triggers allow (:func:`_rebased`):
+# a second recompute-only candidate, since the greedy path it takes differs (a dense block's
+# concatenations each made again from the one before reach half the DenseNet-style net's peak; a
+# transformer's plan at 21 MiB of 25 went just over it).
+CHAIN_RECOMPUTE = "chain-recompute"
 STEP_TOLERANCE = 0.0  # hybrid: plans this much slower than the shortest step still count as fast (then: fewest bytes)
 
 
@@ -689,11 +761,19 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
                 continue
             if best.swap.tensor in chosen and best.swap.waiters == chosen[best.swap.tensor].swap.waiters:
                 continue
-            if best.recipe is not None and any(m in chosen for src in best.recipe.sources + best.recipe.small
-                                               for m in ctx.buffers.group(src)):
+            if best.recipe is not None and _via_recomputed(ctx, best.recipe, chosen, best.hi,
+                                                            CHAIN_RECOMPUTE in modes) != best.swap.via:
                 continue  # a source, or a tensor sharing its buffer, was chosen a moment ago
+            if best.recipe is not None and any(s in chosen for s in best.recipe.small):
+                continue
             if best.swap.tensor in held:
-                continue  # a recomputation chosen a moment ago reads it
+                # read by chosen recomputations: only as ranked (the same readers, as they were)
+                again = _rebased(ctx, chosen, best.swap.tensor, p, judged.result, hold=True) \
+                    if best.feeds else None
+                if again is None or again.feeds != best.feeds:
+                    continue
+                for reader, _before, after in best.feeds:
+                    chosen[reader] = replace(chosen[reader], swap=after)
             if any(c.swap.tensor in chosen or c.swap.tensor in held for c in best.companions):
                 continue
             chosen[best.swap.tensor] = best
@@ -711,6 +791,8 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
     # Refinement: drop swaps the plan can do without, largest first.
     for tid in sorted(chosen, key=lambda t: (-chosen[t].size, t)):
         c = chosen[tid]
+        if any((tid, 0) in x.swap.via for x in chosen.values() if x.recipe is not None):
+            continue  # clones of another recomputation read its clones
         trial = profile.copy()
         trial[c.lo: c.hi + 1] += c.size
         for first, last, size in c.holds:
@@ -739,7 +821,15 @@ def _ranked_choices(ctx: _Context, chosen: dict, p: int, judged: _Judged, clippe
     compute = _us(result.compute_time)
     ranked = []
     for tid in ctx.live_candidates(p):
-        if tid in chosen or tid in held:
+        if tid in chosen:
+            continue
+        if tid in held:  # read by chosen recomputations: made again itself, for them too, or kept
+            choice = _rebased(ctx, chosen, tid, p, result, hold=True) if CHAIN_RECOMPUTE in modes else None
+            if choice is not None and _helps_instantly(ctx, choice.swap, p, judged.instant):
+                covered = int(np.minimum(clipped[choice.lo: choice.hi + 1], choice.size).sum())
+                covered -= sum(int(np.minimum(clipped[first: last + 1], size).sum())
+                               for first, last, size in choice.holds)
+                ranked.append(((choice.cost == 0, covered, -choice.cost, -choice.size, -tid), choice))
             continue
         options = []
         if ctx.cands[tid].shares:
@@ -759,7 +849,8 @@ def _ranked_choices(ctx: _Context, chosen: dict, p: int, judged: _Judged, clippe
                                              busy, compute)
                 options.append(choice)
         if "recompute" in modes:
-            choice = _gap_recompute(ctx, ctx.cands[tid], p, result, chosen, hold="swap" not in modes)
+            choice = _gap_recompute(ctx, ctx.cands[tid], p, result, chosen, hold="swap" not in modes,
+                                    chain=CHAIN_RECOMPUTE in modes)
             if choice is not None:
                 options.append(choice)
         options = [c for c in options if all(_helps_instantly(ctx, x.swap, p, judged.instant)
@@ -1563,15 +1654,18 @@ def _best_plan(ctx: _Context, budget_act: int, baseline: SimResult, log: list[st
 
     ``swap``: the greedy swap plan, with TFLMS's search as a second candidate; of the plans that
     fit, the one that swaps the fewest bytes (then: the shortest step). ``recompute``: the greedy
-    plan with recomputations only. ``hybrid``: the greedy plan choosing per tensor, with the
-    recompute-only plan, the greedy plan recomputing every tensor it can
+    plans with recomputations only (without and with recomputations read by others:
+    :data:`CHAIN_RECOMPUTE`), the shorter step. ``hybrid``: the greedy plan choosing per tensor, with the
+    recompute-only plans, the greedy plan recomputing every tensor it can
     (:data:`PREFER_RECOMPUTE`), the swap plans, and the swap plans with some swaps made
     recomputations (:func:`_with_recomputations`) as further candidates; of those that fit, the shortest
     predicted step on the device's link wins (then: the fewest bytes moved or made again), so the
     hybrid is never slower than either pure plan and reaches every budget the swap plans reach."""
     strategy = strategy_name(options.strategy)
-    runs = {"swap": [("swap",)], "recompute": [("recompute",)],
-            "hybrid": [("swap", "recompute"), ("recompute",), ("swap",), ("swap", "recompute", PREFER_RECOMPUTE)]}[strategy]
+    chained = ("recompute", CHAIN_RECOMPUTE)
+    runs = {"swap": [("swap",)], "recompute": [("recompute",), chained],
+            "hybrid": [("swap", "recompute"), ("recompute",), chained, ("swap",),
+                       ("swap", "recompute", PREFER_RECOMPUTE)]}[strategy]
     if strategy == "hybrid" and not ctx.recipes:  # nothing can be made again: the swap plans alone
         runs = [("swap",)]
     found = []  # (label, swaps, result, parameters, log lines), in the order they were made
@@ -1589,7 +1683,7 @@ def _best_plan(ctx: _Context, budget_act: int, baseline: SimResult, log: list[st
         lines: list[str] = []
         try:
             swaps, result = plan_lms(ctx, budget_act, baseline, lines, modes)
-            found.append(("+".join(modes), swaps, result, {}, lines))
+            found.append(("recompute" if modes[0] == "recompute" else "+".join(modes), swaps, result, {}, lines))
             if strategy == "hybrid" and modes == ("swap",):
                 with_recomputations("swap-only", swaps, result, {}, lines)
         except _Stuck as stuck:
