@@ -234,6 +234,15 @@ def test_refuses_ops_it_cannot_run(tmp_path):
     assert "cannot run the graph on CPU: op type LmsNoSuchOp" in result.stderr
 
 
+
+@pytest.mark.parametrize("gpu_mem", [(), ("--gpu-mem", "64MiB")], ids=["plain", "stand-in"])
+def test_two_unrelated_graphs_are_no_original_and_rewrite(gpu_mem):
+    """Graphs training different variables are not an original and its rewrite: a usage mistake
+    (exit 1, before any step runs), not "different results" (exit 4; QA r45)."""
+    result = _run(SAMPLES / "cnn.meta", SAMPLES / "two_gpu_cnn.meta", *gpu_mem)
+    assert result.exit_code == 1, result.output
+    assert "is not a rewrite of" in result.stderr and "their variables differ" in result.stderr
+
 def test_chain_leaves_control_flow_alone():
     """Measuring in schedule order never chains into a while loop or after its Exit (that deadlocks)."""
     model = api.load(str(SAMPLES / "while_rnn.meta"))

@@ -203,9 +203,10 @@ def prove_at_limit(original, rewritten, limit_bytes: int, steps: int = 1, runs: 
     ``limit_bytes``, ``runs`` times each, and both once without a limit: the rewrite must compute
     bit for bit what the original computes. (Under a tight limit the same graph may compute
     differently in the last bits, which a note reports.)"""
-    from lmscli.prove.steps import compare, default_loss, rewrite_batch_size
+    from lmscli.prove.steps import compare, default_loss, rewrite_batch_size, same_variables
     from lmscli.prove.standin import StandIn, _check_limit
 
+    same_variables(original, rewritten)
     batch_size = rewrite_batch_size(original.meta_graph, rewritten.meta_graph, batch_size)
     fetches = tuple(original.fetches)
     meta_a, meta_b = _runnable(original), _runnable(rewritten)

@@ -432,6 +432,27 @@ def run_steps(meta_graph, fetches, steps: int = 1, batch_size: int = 2, loss: st
     return StepRun(tuple(losses), values, placements, tuple(outputs))
 
 
+def same_variables(original, rewritten) -> None:
+    """A rewrite trains the original's variables, no more, no fewer: else the two graphs are not
+    an original and its rewrite, and comparing their results would say nothing (QA r45: two
+    unrelated nets were "different results", exit 4)."""
+    from lmscli.graph.graphview import VARIABLE_OPS
+
+    def variables(model) -> set:
+        return {node.name for node in model.graph_def.node if node.op in VARIABLE_OPS}
+
+    a, b = variables(original), variables(rewritten)
+    if a != b:
+        only_a, only_b = sorted(a - b), sorted(b - a)
+        where = (f"{len(only_a)} only in the original ({', '.join(only_a[:2])}{', ...' if len(only_a) > 2 else ''})"
+                 if only_a else "")
+        where += ("; " if only_a and only_b else "") + (
+            f"{len(only_b)} only in the rewritten graph ({', '.join(only_b[:2])}{', ...' if len(only_b) > 2 else ''})"
+            if only_b else "")
+        raise InputError(f"{rewritten.path} is not a rewrite of {original.path}: their variables differ ({where}); "
+                         "give an original and the graph lms rewrote from it")
+
+
 @dataclass(frozen=True)
 class Difference:
     """What differs first between two runs."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from lmscli.timing import timed
 from lmscli.errors import EXIT_DIFFERENT, InputError, LmsError
 from lmscli.prove.steps import (GPU_COPY_OPS, SCHEMA_VERSION, Difference, _check_cpu_kernels, compare, default_loss,
-                                map_gpu_ops, place_on_cpu, rewrite_batch_size, run_steps)
+                                map_gpu_ops, place_on_cpu, rewrite_batch_size, run_steps, same_variables)
 from lmscli.emit.rewriter import RECOMPUTE
 
 
@@ -188,6 +188,7 @@ def verify(original, rewritten, steps: int = 2, batch_size: int | None = None, m
     if missing:
         raise InputError(f"{rewritten.path}: fetch {missing[0]!r} of the original is not in the rewritten graph; "
                          "pass --fetch NAME")
+    same_variables(original, rewritten)
     batch_size = rewrite_batch_size(original.meta_graph, rewritten.meta_graph, batch_size)
     meta_a, figures_a = _figures(original, fetches, batch_size, measure, notes, "original", tf_order)
     meta_b, figures_b = _figures(rewritten, fetches, batch_size, measure, notes, "rewritten", tf_order)
