@@ -915,6 +915,7 @@ class StandIn:
         return replace(first, order=order, scratch=sizes.scratch, scratch_first=sizes.scratch_first,
                        micros={**first.micros, **warm.micros}, orders=orders)
 
+    @timed("bisection on the stand-in")
     def find_min(self, meta_graph, fetches, *, hint_bytes: int | None = None, lo_bytes: int | None = None,
                  hi_bytes: int | None = None, batch_size: int = 1, runs: int = 3, resolution: int = MIB,
                  steps: int = 1) -> MinLimit:
