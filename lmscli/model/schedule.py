@@ -190,7 +190,9 @@ class Schedule:
         """``node:output``; for what a loop keeps across iterations, the op that keeps it."""
         t = self.tensors[tid]
         if t.output == STORAGE_OUTPUT:
-            least = ", as if every iteration took its branch" if t.least_bytes is not None else ""
+            # (a lower bound counts such a stack as if every iteration took the cond's smaller
+            # branch: its share of that branch's stacks; QA r45 read "its branch" as the stack's own)
+            least = ", as if every iteration took the smaller branch" if t.least_bytes is not None else ""
             return f"{self.names[t.producer]} (kept across loop iterations{least})"
         return f"{self.names[t.producer]}:{t.output}"
 
