@@ -61,6 +61,9 @@ class Storage:
     # A stack of the larger branch of a cond inside the loop: its share of what the loop keeps when
     # every iteration takes the other branch (see _one_branch_per_cond); None: num_bytes.
     least_bytes: int | None = None
+    # A loop variable's stack: the value the loop starts with, made outside it (GraphView index,
+    # output), whose buffer the first iteration pushes (see _entry_value); else None.
+    entry: tuple[int, int] | None = None
 
 
 def trip_counts(view: GraphView) -> dict[str, Loop]:
@@ -113,8 +116,8 @@ def storage(view: GraphView, loops: dict[str, Loop] | None = None) -> tuple[Stor
                 continue
             if value in by_value:  # pushed on another stack too: one buffer, two stacks keep it
                 first = found[by_value[value]]
-                found[by_value[value]] = Storage(first.writer, tuple(sorted(set(first.readers) | set(pops))),
-                                                 first.num_bytes, first.kind, first.trips, first.sharers + (push,))
+                found[by_value[value]] = replace(first, readers=tuple(sorted(set(first.readers) | set(pops))),
+                                                 sharers=first.sharers + (push,))
                 continue
             if value in seen:
                 continue
@@ -123,7 +126,8 @@ def storage(view: GraphView, loops: dict[str, Loop] | None = None) -> tuple[Stor
             trips = total_trips(view, view.frames[push], loops)
             if size and trips and trips > 1:
                 by_value[value] = len(found)
-                found.append(Storage(push, tuple(sorted(pops)), trips * size, "stack", trips))
+                found.append(Storage(push, tuple(sorted(pops)), trips * size, "stack", trips,
+                                     entry=_entry_value(view, push, 1)))
     found = _one_branch_per_cond(view, found)
     for writes, reads in _arrays(view).values():
         for write in writes:
@@ -584,6 +588,34 @@ def _kept_value(view: GraphView, node: int, port: int) -> tuple[int, int] | None
     if carried is not None:  # a loop variable: the value last iteration made (and maybe kept)
         src, output = carried
     return src, output
+
+
+def _entry_value(view: GraphView, node: int, port: int) -> tuple[int, int] | None:
+    """For a push of a loop variable (``node``'s input ``port``, through Identities), the tensor
+    the loop starts it with, made outside the loop: the first iteration pushes that tensor's own
+    buffer (a push keeps a reference, no copy), the others what the iterations before made::
+
+        h0 (outside) --> Enter --> Merge --> Switch:1 --> push      iteration 0 keeps h0's buffer
+                                     ^-- NextIteration <-- h1 ...   iteration k keeps h_k
+
+    None for any other value."""
+    inputs = view.data_inputs[node]
+    if len(inputs) <= port:
+        return None
+    src, output = inputs[port]
+    frame = view.frames[node]
+    while view.ops[src] == "Identity" and view.frames[src] == frame and view.data_inputs[src]:
+        src, output = view.data_inputs[src][0]
+    if view.ops[src] not in ("Switch", "RefSwitch") or output != 1 or not view.data_inputs[src]:
+        return None
+    merge = view.data_inputs[src][0][0]
+    if view.ops[merge] not in ("Merge", "RefMerge"):
+        return None
+    for enter, _ in view.data_inputs[merge]:
+        if view.ops[enter] in ("Enter", "RefEnter") and view.data_inputs[enter]:
+            value, out = view.data_inputs[enter][0]
+            return None if view.frames[value] == frame or _resident(view, value) else (value, out)
+    return None
 
 
 def _resident(view: GraphView, node: int) -> bool:

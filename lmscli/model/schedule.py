@@ -439,7 +439,7 @@ def loop_counts(view: GraphView):
 
 
 def _add_storage(tensors: list, inputs: list, pos: int, kept, position: dict, n: int, loop_end: int = -1,
-                 reader_ends: tuple = (), value: bool = False, filled_in: str = "") -> None:
+                 reader_ends: tuple = (), value: bool = False, filled_in: str = "", entry_read: int = -1) -> None:
     """A tensor of ``kept.num_bytes`` made at ``pos`` (a push, a TensorArray write) and read by the
     pops or reads of the same stack or array (the last op of the step when none runs), and held
     at least to ``loop_end``, the last op of the loop it is filled in (outermost, for nested loops),
@@ -457,6 +457,11 @@ def _add_storage(tensors: list, inputs: list, pos: int, kept, position: dict, n:
     end of its loop, when the list is dropped (QA: a GRU's 18.75 MiB of unpopped accumulators
     counted at a peak that never held them, 51 MiB predicted, 33 measured). ``filled_in``: the
     loop frame whose iterations make its pieces (:func:`lmscli.model.memmodel.in_pieces`).
+    ``entry_read``: the last position reading the value a loop variable's stack starts with
+    (:attr:`lmscli.model.loops.Storage.entry`): read until the stack's last reader has run, its
+    buffer, which the first iteration pushed, is counted with it, not with the stack (QA r45: a
+    TensorFlow 2 loop of residual blocks counted its input twice, its lower bound 24.90 MiB above
+    the 23 MiB it needed on the stand-in).
     """
     readers = {position[r] for r in kept.readers if r in position and position[r] > pos}
     if readers and loop_end > pos:
@@ -466,9 +471,14 @@ def _add_storage(tensors: list, inputs: list, pos: int, kept, position: dict, n:
     if not readers and value and loop_end > pos:
         readers = {loop_end}
     readers = tuple(sorted(readers)) or (n - 1,)
+    num_bytes, least = kept.num_bytes, kept.least_bytes
+    if entry_read >= readers[-1] and kept.trips > 1:
+        num_bytes -= kept.num_bytes // kept.trips
+        least = None if least is None else least - least // kept.trips
     tid = len(tensors)
-    tensors.append(SimTensor(tid, pos, STORAGE_OUTPUT, kept.num_bytes, readers, max(1, min(kept.trips, MAX_PIECES)),
-                             kept.least_bytes, filled_in))
+    tensors.append(SimTensor(tid, pos, STORAGE_OUTPUT, num_bytes, readers, max(1, min(kept.trips - (num_bytes < kept.num_bytes),
+                                                                                       MAX_PIECES)),
+                             least, filled_in))
     for reader in readers:
         inputs[reader].append(tid)
 
@@ -500,8 +510,11 @@ def _describe(view: GraphView, order: list[int], cost: dict, on_gpu: list[bool],
             end = loop_end.get(view.outermost(view.frames[i]), -1) if view.frames[i] else -1
             reader_ends = tuple(loop_end.get(view.outermost(view.frames[r]), -1) for r in kept[i].readers
                                 if view.frames[r])
+            entry = kept[i].entry
+            entry_read = max((position[dst] for dst, _port, out in view.consumers[entry[0]]
+                              if out == entry[1] and dst in position), default=-1) if entry else -1
             _add_storage(tensors, inputs, pos, kept[i], position, len(order), end, reader_ends,
-                         view.ops[i].startswith("TensorList"), view.frames[i] or "")
+                         view.ops[i].startswith("TensorList"), view.frames[i] or "", entry_read)
         is_const = view.ops[i] in CONSTANT_OPS
         by_output: dict[int, set[int]] = {}
         for dst, _port, output in view.consumers[i]:
