@@ -632,6 +632,8 @@ def unknown_size_warning(prepared: Prepared) -> str | None:
     (else the sizes depend on the data, e.g. the number of unique ids)."""
     view, found, in_loops = prepared.view, [], 0
     for i in prepared.schedule.nodes:
+        if view.ops[i] in SHAPE_OPS:
+            continue  # (a few integers each, sized by ranks: QA r45 saw them "depend on the data")
         for k, info in enumerate(view.outputs(i)):
             if info.num_bytes is None and info.shape is not None:
                 found.append((-info.known_elements * info.itemsize, f"{view.names[i]}:{k}", info.shape))
@@ -651,6 +653,9 @@ def unknown_size_warning(prepared: Prepared) -> str | None:
         hint = f" ({where}, or depending on the data)" if where else " (they depend on the data)"
     return (f"{len(found)} tensor(s) of the step have an unknown size and count as 0 bytes, so the figures are "
             f"too small (largest: {name} {_dims(shape)}){hint}")
+
+
+SHAPE_OPS = frozenset({"BroadcastGradientArgs", "BroadcastArgs", "Shape", "ShapeN"})  # outputs: dimensions, indices
 
 
 def _loop_notes(view: GraphView, active) -> tuple[str, ...]:

@@ -143,8 +143,8 @@ def test_an_out_of_memory_line_says_when_the_free_memory_was_in_pieces():
     line = "ran out of memory trying to allocate 4.50 MiB for c2/Conv2D with 7.06 MiB in use"
     apart = _oom_message(line, "running the step", 14 * MIB, "c2/Conv2D", int(11.56 * MIB))
     assert apart.startswith("out of memory under 14 MiB while running the step: allocating 4.50 MiB for c2/Conv2D "
-                            "failed (7.06 MiB in use): the limit holds that much in all (2.44 MiB to spare), but no "
-                            "free chunk")
+                            "failed (7.06 MiB in use): in use and asked for come to 11.56 MiB, 2.44 MiB under the "
+                            "limit, but no free chunk")
     full = _oom_message(line, "running the step", 10 * MIB, "c2/Conv2D", int(11.56 * MIB))
     assert _oom_message(line, "running the step", int(11.7 * MIB), None, int(11.56 * MIB)).endswith("in use)")
     assert full.endswith("failed (7.06 MiB in use)") and _oom_message(line, "running the step", 14 * MIB, None) \

@@ -576,8 +576,9 @@ def _oom_message(text: str, phase: str, limit_bytes: int | None, node: str | Non
         detail += f" ({held.group(1)})"
     if need_bytes is not None and limit_bytes is not None and need_bytes <= limit_bytes * 0.98:
         # (2% or more to spare: the figures are rounded; QA r38 read a fixed "2% to spare" as the room left)
-        detail += (f": the limit holds that much in all ({format_size(limit_bytes - need_bytes)} to spare), but no free chunk "
-                   "was that large (the free memory was in pieces)")
+        # (QA r45 read "that much in all (6.39 MiB to spare)" as the room left before the request)
+        detail += (f": in use and asked for come to {format_size(need_bytes)}, {format_size(limit_bytes - need_bytes)} "
+                   "under the limit, but no free chunk was large enough (the free memory was in pieces)")
     return f"out of memory under {_mib(limit_bytes)} while {phase}: {detail}"
 
 
