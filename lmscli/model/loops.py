@@ -606,16 +606,11 @@ def _entry_value(view: GraphView, node: int, port: int) -> tuple[int, int] | Non
     frame = view.frames[node]
     while view.ops[src] == "Identity" and view.frames[src] == frame and view.data_inputs[src]:
         src, output = view.data_inputs[src][0]
-    if view.ops[src] not in ("Switch", "RefSwitch") or output != 1 or not view.data_inputs[src]:
+    merge = _loop_merge(view, src, output)
+    found = _merge_input(view, merge, ("Enter", "RefEnter")) if merge is not None else None
+    if found is None or view.frames[found[0]] == frame or _resident(view, found[0]):
         return None
-    merge = view.data_inputs[src][0][0]
-    if view.ops[merge] not in ("Merge", "RefMerge"):
-        return None
-    for enter, _ in view.data_inputs[merge]:
-        if view.ops[enter] in ("Enter", "RefEnter") and view.data_inputs[enter]:
-            value, out = view.data_inputs[enter][0]
-            return None if view.frames[value] == frame or _resident(view, value) else (value, out)
-    return None
+    return found
 
 
 def _resident(view: GraphView, node: int) -> bool:
@@ -645,17 +640,30 @@ def resident_pops(view: GraphView) -> frozenset[int]:
 def _carried(view: GraphView, node: int, output: int) -> tuple[int, int] | None:
     """For a loop variable as the body reads it (a Switch's output 1), the tensor the previous
     iteration made for it (what reaches its NextIteration), through Identities; else None."""
+    merge = _loop_merge(view, node, output)
+    found = _merge_input(view, merge, ("NextIteration", "RefNextIteration")) if merge is not None else None
+    if found is None:
+        return None
+    value, out = found
+    while view.ops[value] == "Identity" and view.frames[value] == view.frames[node] and view.data_inputs[value]:
+        value, out = view.data_inputs[value][0]
+    return value, out
+
+
+def _loop_merge(view: GraphView, node: int, output: int) -> int | None:
+    """The ``Merge`` of a loop variable as the body reads it (``node``'s output 1, a Switch), else None."""
     if view.ops[node] not in ("Switch", "RefSwitch") or output != 1 or not view.data_inputs[node]:
         return None
     merge = view.data_inputs[node][0][0]
-    if view.ops[merge] not in ("Merge", "RefMerge"):
-        return None
+    return merge if view.ops[merge] in ("Merge", "RefMerge") else None
+
+
+def _merge_input(view: GraphView, merge: int, ops) -> tuple[int, int] | None:
+    """The tensor reaching a loop's ``merge`` through its input op of ``ops`` (an ``Enter``: the
+    value the loop starts with; a ``NextIteration``: the one the iteration before made), else None."""
     for src, _ in view.data_inputs[merge]:
-        if view.ops[src] in ("NextIteration", "RefNextIteration") and view.data_inputs[src]:
-            value, out = view.data_inputs[src][0]
-            while view.ops[value] == "Identity" and view.frames[value] == view.frames[node] and view.data_inputs[value]:
-                value, out = view.data_inputs[value][0]
-            return value, out
+        if view.ops[src] in ops and view.data_inputs[src]:
+            return view.data_inputs[src][0]
     return None
 
 
