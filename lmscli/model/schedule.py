@@ -471,13 +471,13 @@ def _add_storage(tensors: list, inputs: list, pos: int, kept, position: dict, n:
     if not readers and value and loop_end > pos:
         readers = {loop_end}
     readers = tuple(sorted(readers)) or (n - 1,)
-    num_bytes, least = kept.num_bytes, kept.least_bytes
-    if entry_read >= readers[-1] and kept.trips > 1:
+    num_bytes, least, pieces = kept.num_bytes, kept.least_bytes, kept.trips
+    if entry_read >= readers[-1] and kept.trips > 1:  # (the first element is the entry value's buffer)
         num_bytes -= kept.num_bytes // kept.trips
         least = None if least is None else least - least // kept.trips
+        pieces -= 1
     tid = len(tensors)
-    tensors.append(SimTensor(tid, pos, STORAGE_OUTPUT, num_bytes, readers, max(1, min(kept.trips - (num_bytes < kept.num_bytes),
-                                                                                       MAX_PIECES)),
+    tensors.append(SimTensor(tid, pos, STORAGE_OUTPUT, num_bytes, readers, max(1, min(pieces, MAX_PIECES)),
                              least, filled_in))
     for reader in readers:
         inputs[reader].append(tid)
