@@ -764,7 +764,7 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
             if best.recipe is not None and _via_recomputed(ctx, best.recipe, chosen, best.hi,
                                                             CHAIN_RECOMPUTE in modes) != best.swap.via:
                 continue  # a source, or a tensor sharing its buffer, was chosen a moment ago
-            if best.recipe is not None and any(s in chosen for s in best.recipe.small):
+            if best.recipe is not None and any(m in chosen for s in best.recipe.small for m in ctx.buffers.group(s)):
                 continue
             if best.swap.tensor in held:
                 # read by chosen recomputations: only as ranked (the same readers, as they were)
