@@ -602,10 +602,8 @@ def _entry_value(view: GraphView, node: int, port: int) -> tuple[int, int] | Non
     inputs = view.data_inputs[node]
     if len(inputs) <= port:
         return None
-    src, output = inputs[port]
     frame = view.frames[node]
-    while view.ops[src] == "Identity" and view.frames[src] == frame and view.data_inputs[src]:
-        src, output = view.data_inputs[src][0]
+    src, output = _through_identities(view, *inputs[port], frame)
     merge = _loop_merge(view, src, output)
     found = _merge_input(view, merge, ("Enter", "RefEnter")) if merge is not None else None
     if found is None or view.frames[found[0]] == frame or _resident(view, found[0]):
@@ -644,10 +642,14 @@ def _carried(view: GraphView, node: int, output: int) -> tuple[int, int] | None:
     found = _merge_input(view, merge, ("NextIteration", "RefNextIteration")) if merge is not None else None
     if found is None:
         return None
-    value, out = found
-    while view.ops[value] == "Identity" and view.frames[value] == view.frames[node] and view.data_inputs[value]:
-        value, out = view.data_inputs[value][0]
-    return value, out
+    return _through_identities(view, *found, view.frames[node])
+
+
+def _through_identities(view: GraphView, node: int, output: int, frame: str) -> tuple[int, int]:
+    """The tensor ``(node, output)`` forwards, through the Identities of ``frame``."""
+    while view.ops[node] == "Identity" and view.frames[node] == frame and view.data_inputs[node]:
+        node, output = view.data_inputs[node][0]
+    return node, output
 
 
 def _loop_merge(view: GraphView, node: int, output: int) -> int | None:

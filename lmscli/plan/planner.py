@@ -826,10 +826,7 @@ def _ranked_choices(ctx: _Context, chosen: dict, p: int, judged: _Judged, clippe
         if tid in held:  # read by chosen recomputations: made again itself, for them too, or kept
             choice = _rebased(ctx, chosen, tid, p, result, hold=True) if CHAIN_RECOMPUTE in modes else None
             if choice is not None and _helps_instantly(ctx, choice.swap, p, judged.instant):
-                covered = int(np.minimum(clipped[choice.lo: choice.hi + 1], choice.size).sum())
-                covered -= sum(int(np.minimum(clipped[first: last + 1], size).sum())
-                               for first, last, size in choice.holds)
-                ranked.append(((choice.cost == 0, covered, -choice.cost, -choice.size, -tid), choice))
+                ranked.append((_rank(choice, clipped, tid), choice))
             continue
         options = []
         if ctx.cands[tid].shares:
@@ -860,9 +857,7 @@ def _ranked_choices(ctx: _Context, chosen: dict, p: int, judged: _Judged, clippe
         if not options:
             continue
         choice = min(options, key=lambda c: (c.cost, c.recipe is not None))
-        covered = int(np.minimum(clipped[choice.lo: choice.hi + 1], choice.size).sum())
-        covered -= sum(int(np.minimum(clipped[first: last + 1], size).sum()) for first, last, size in choice.holds)
-        ranked.append(((choice.cost == 0, covered, -choice.cost, -choice.size, -tid), choice))
+        ranked.append((_rank(choice, clipped, tid), choice))
     ranked.sort(key=lambda x: x[0], reverse=True)
     if ranked:
         return [c for _, c in ranked]
@@ -872,6 +867,14 @@ def _ranked_choices(ctx: _Context, chosen: dict, p: int, judged: _Judged, clippe
     if late is None and "swap" in modes:
         late = _second_swap_in(ctx, chosen, p, judged)
     return [late] if late is not None else []
+
+
+def _rank(choice: _Choice, clipped, tid: int) -> tuple:
+    """Sort key of a choice for tensor ``tid`` (largest first): free of time, then the excess
+    ``clipped`` it removes (less what its held sources add back), then cheaper, larger."""
+    covered = int(np.minimum(clipped[choice.lo: choice.hi + 1], choice.size).sum())
+    covered -= sum(int(np.minimum(clipped[first: last + 1], size).sum()) for first, last, size in choice.holds)
+    return (choice.cost == 0, covered, -choice.cost, -choice.size, -tid)
 
 
 def _later_swap_in(ctx: _Context, chosen: dict, p: int, judged: _Judged) -> _Choice | None:

@@ -441,14 +441,13 @@ def same_variables(original, rewritten) -> None:
     def variables(model) -> set:
         return {node.name for node in model.graph_def.node if node.op in VARIABLE_OPS}
 
+    def only(names: list, where: str) -> str:
+        return f"{len(names)} only in {where} ({', '.join(names[:2])}{', ...' if len(names) > 2 else ''})"
+
     a, b = variables(original), variables(rewritten)
     if a != b:
-        only_a, only_b = sorted(a - b), sorted(b - a)
-        where = (f"{len(only_a)} only in the original ({', '.join(only_a[:2])}{', ...' if len(only_a) > 2 else ''})"
-                 if only_a else "")
-        where += ("; " if only_a and only_b else "") + (
-            f"{len(only_b)} only in the rewritten graph ({', '.join(only_b[:2])}{', ...' if len(only_b) > 2 else ''})"
-            if only_b else "")
+        where = "; ".join(only(names, side) for names, side in ((sorted(a - b), "the original"),
+                                                                (sorted(b - a), "the rewritten graph")) if names)
         raise InputError(f"{rewritten.path} is not a rewrite of {original.path}: their variables differ ({where}); "
                          "give an original and the graph lms rewrote from it")
 
