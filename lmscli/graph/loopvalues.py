@@ -189,3 +189,96 @@ class Evaluator:
             return None
         value = np.asarray(value)
         return value.item() if value.size == 1 and np.issubdtype(value.dtype, np.number) else None
+
+
+# Scalar ops a loop's counter-driven values are made of (numpy's functions of the same names
+# compute what TensorFlow's kernels do on integer and bool scalars).
+_BINARY = {
+    "Add": lambda a, b: a + b, "AddV2": lambda a, b: a + b, "Sub": lambda a, b: a - b,
+    "Mul": lambda a, b: a * b, "FloorMod": lambda a, b: a % b, "FloorDiv": lambda a, b: a // b,
+    "Maximum": max, "Minimum": min, "Equal": lambda a, b: a == b, "NotEqual": lambda a, b: a != b,
+    "Less": lambda a, b: a < b, "LessEqual": lambda a, b: a <= b, "Greater": lambda a, b: a > b,
+    "GreaterEqual": lambda a, b: a >= b, "LogicalAnd": lambda a, b: bool(a and b),
+    "LogicalOr": lambda a, b: bool(a or b),
+}
+_UNARY = {"Identity": lambda a: a, "LogicalNot": lambda a: not a, "Neg": lambda a: -a}
+_INTEGER_OPS = frozenset({"FloorMod", "FloorDiv"})
+
+
+def per_iteration(view: GraphView, node: int, output: int, frame: str, trips: int, evaluator: Evaluator):
+    """The values a scalar tensor of loop ``frame`` takes in each of its first ``trips``
+    iterations, when it is computed from the loop's counters (loop variables that start from a
+    known value and whose next value is computed from themselves and constants) by integer and
+    bool arithmetic; None otherwise (a value read from the data, a float, an unknown op)::
+
+        Enter(0) --> Merge --> Switch --:1--> Identity(t) --> Add(t, 1) --> NextIteration
+                                                 t --> FloorMod(t, 2) --> Equal(., 0)   [True, False, True, ...]
+    """
+    merges: dict[int, tuple[int, int]] = {}  # a counter's Merge -> its next value (node, output)
+    starts: dict[int, object] = {}
+
+    def walk(n: int, out: int, seen: frozenset):
+        """A function of the counters' values giving the value of (n, out); None when unknown."""
+        op = view.ops[n]
+        if view.frames[n] != frame:
+            return None
+        if op == "Const":
+            value = evaluator._const(n)
+            return None if value is None else (lambda env: value)
+        if op in ("Enter", "RefEnter"):
+            value = evaluator.value(n, out, frame)
+            return None if value is None or isinstance(value, float) else (lambda env: value)
+        if op in ("Merge", "RefMerge"):
+            entered = invariant(view, n)
+            if entered is not None:
+                value = evaluator.value(*entered, frame)
+                return None if value is None or isinstance(value, float) else (lambda env: value)
+            if n not in merges:
+                if n in seen or not _counter(view, n, frame, merges, starts, evaluator):
+                    return None
+                nxt = walk(*merges[n], seen | {n})  # (its next value, as _counter found it)
+                if nxt is None:
+                    return None
+                merges[n] = nxt
+            return lambda env: env[n]
+        if op in ("Switch", "RefSwitch", "Identity", "Snapshot") or op in _UNARY:
+            if not view.data_inputs[n]:
+                return None
+            inner = walk(*view.data_inputs[n][0], seen)
+            fn = _UNARY.get(op, _UNARY["Identity"])
+            return None if inner is None else (lambda env: fn(inner(env)))
+        if op in _BINARY and len(view.data_inputs[n]) == 2:
+            a, b = (walk(*src, seen) for src in view.data_inputs[n])
+            if a is None or b is None:
+                return None
+            fn = _BINARY[op]
+            return lambda env: fn(a(env), b(env))
+        return None
+
+    value = walk(node, output, frozenset())
+    if value is None:
+        return None
+    env = dict(starts)
+    out = []
+    for _ in range(trips):
+        out.append(value(env))
+        env = {m: merges[m](env) for m in merges}
+    return out
+
+
+def _counter(view: GraphView, merge: int, frame: str, merges: dict, starts: dict, evaluator: Evaluator) -> bool:
+    """Note ``merge`` as a counter in ``merges`` (its NextIteration's input) and ``starts`` (the
+    integer it enters with); False when it is not one."""
+    entered, back = None, None
+    for src, _output in view.data_inputs[merge]:
+        if view.ops[src] in ("Enter", "RefEnter") and view.data_inputs[src]:
+            entered = view.data_inputs[src][0]
+        elif view.ops[src] in ("NextIteration", "RefNextIteration") and view.data_inputs[src]:
+            back = view.data_inputs[src][0]
+    if entered is None or back is None:
+        return False
+    start = evaluator.value(entered[0], entered[1], frame)
+    if start is None or isinstance(start, float):
+        return False
+    merges[merge], starts[merge] = back, start
+    return True
