@@ -242,6 +242,28 @@ def test_loops_are_counted_with_their_trip_counts(samples):
     assert "8 iterations" in notes and "Less(counter, 8)" in notes
 
 
+@pytest.mark.parametrize("start, step, bound, trips", [(0, 1, 15, 15), (3, 1, 15, 12), (0, 2, 15, 8), (-3, 1, 15, 18)])
+def test_a_loop_is_counted_from_where_its_counter_starts_and_by_its_step(start, step, bound, trips):
+    """``i = start; while i < bound: i += step`` runs ``ceil((bound - start) / step)`` times; read
+    as ``Less(counter, bound)`` alone, every such loop was counted ``bound`` times."""
+    from lmscli.model import loops
+    from lmscli.tfimport import tensorflow
+
+    tf = tensorflow()
+    v1 = tf.compat.v1
+    was = v1.control_flow_v2_enabled()
+    v1.disable_control_flow_v2()
+    try:
+        graph = tf.Graph()
+        with graph.as_default():
+            v1.while_loop(lambda t, h: t < bound, lambda t, h: (t + step, h * 2.0), [tf.constant(start), tf.constant(1.0)])
+    finally:
+        if was:
+            v1.enable_control_flow_v2()
+    (loop,) = loops.trip_counts(GraphView(graph.as_graph_def())).values()
+    assert loop.trips == trips
+
+
 @pytest.mark.parametrize("control_flow_v2", [False, True], ids=["v1", "v2"])
 def test_a_loop_the_data_ends_is_counted_with_its_maximum_iterations(tmp_path, control_flow_v2):
     """A loop running while ``i < sum(mask)``, at most 24 times (``maximum_iterations``): what the

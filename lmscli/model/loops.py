@@ -83,6 +83,9 @@ def trip_counts(view: GraphView) -> dict[str, Loop]:
             out[frame] = Loop(frame, None, "no LoopCond")
             continue
         trips, how = _bound(view, view.data_inputs[cond][0][0], frame, evaluator)
+        counted = _counted(view, view.data_inputs[cond][0], frame, evaluator, trips)
+        if counted is not None and counted != trips:
+            trips, how = counted, "its condition computed from its counters"
         out[frame] = Loop(frame, trips, how)
     # A gradient loop pops what a forward loop pushed: it runs as many iterations.
     stacks = pushes_and_pops(view)
@@ -757,6 +760,29 @@ def _bound(view: GraphView, node: int, frame: str, evaluator) -> tuple[int | Non
         return None, f"a bound ({view.names[limit]}) lms cannot compute"
     trips = int(value) + COMPARISONS[op]
     return max(trips, 0), f"{op}(counter, {int(value)})"
+
+
+MAX_COUNTED = 1 << 16  # iterations :func:`_counted` runs a loop's condition for at most
+
+
+def _counted(view: GraphView, cond: tuple[int, int], frame: str, evaluator, guess: int | None) -> int | None:
+    """The iterations a loop runs, where its condition ``cond`` is computed from its counters
+    alone (:func:`lmscli.graph.loopvalues.per_iteration`): the first iteration whose condition is
+    false. :func:`_bound` reads ``Less(counter, n)`` as n trips, as if every counter started at 0
+    and went up by 1; this sees ``i = 3; i < 15`` run 12 times and ``i += 2`` half as many.
+    None where the condition reads anything else, or holds for :data:`MAX_COUNTED` iterations."""
+    from lmscli.graph.loopvalues import per_iteration
+
+    n = max(2, (guess or 0) + 1)
+    while True:
+        values = per_iteration(view, cond[0], cond[1], frame, n, evaluator)
+        if values is None or not all(isinstance(v, bool) for v in values):
+            return None
+        if False in values:
+            return values.index(False)
+        if n >= MAX_COUNTED:
+            return None
+        n = min(4 * n, MAX_COUNTED)
 
 
 def _varies(view: GraphView, node: int, frame: str) -> bool:
