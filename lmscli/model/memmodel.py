@@ -37,6 +37,8 @@ FORWARDING_OPS = frozenset({
     "EnsureShape", "CheckNumerics", "IdentityN", "Enter", "RefEnter", "Exit", "RefExit", "Switch", "RefSwitch",
     "Merge", "RefMerge", "NextIteration", "RefNextIteration",
 })
+# Ops whose output k is their input k's buffer, for every k (the others forward input 0 to output 0).
+PORT_FORWARDING_OPS = frozenset({"IdentityN"})
 # A Switch forwards its input to the output of the branch taken (either port; the other is dead).
 SWITCH_OPS = frozenset({"Switch", "RefSwitch"})
 RESIDENT_READS = frozenset({"ReadVariableOp"})  # the output is the variable's buffer
@@ -70,7 +72,7 @@ def rounded(num_bytes: int) -> int:
     return -(-num_bytes // ALIGNMENT) * ALIGNMENT if num_bytes > 0 else 0
 
 
-def sharing(ops, tensors, inputs, on_gpu, reads_constant=(), carried=(), stand_in=False
+def sharing(ops, tensors, inputs, on_gpu, reads_constant=(), carried=(), stand_in=False, ports=()
             ) -> tuple[tuple[int, ...], tuple[bool, ...]]:
     """Per tensor, the tensor whose buffer it shares (:data:`OWN`, :data:`RESIDENT` or an id), and
     whether that link is an in-place reuse (broken when the input is swapped out).
@@ -131,6 +133,16 @@ def sharing(ops, tensors, inputs, on_gpu, reads_constant=(), carried=(), stand_i
             continue
         # (only tensors made before: a loop's Merge also reads its NextIteration, through a back edge)
         same = [i for i in inputs[k] if i < t.id and tensors[i].num_bytes == t.num_bytes]
+        if op in PORT_FORWARDING_OPS and ports and ports[k]:
+            # output k is input k (a custom gradient's IdentityN passes on the forward pass's tensors)
+            src = ports[k][t.output] if t.output < len(ports[k]) else (-1, 0)
+            same = [i for i in same if (tensors[i].producer, tensors[i].output) == src]
+            if same and t.output:
+                r = root[t.id] = root[same[0]]
+                shares[t.id] = RESIDENT if r < 0 else same[0]
+                if r >= 0:
+                    last_use[r] = max(last_use[r], last_use[t.id])
+                continue
         if op in FORWARDING_OPS and same and (t.output == 0 or op in SWITCH_OPS):
             src = same[0]
             if root[src] < 0 and carried and carried[k]:

@@ -81,6 +81,9 @@ class Schedule:
     # traced step (lmscli.model.loops.iterations_ahead): (first position, last position, bytes),
     # held while the ops from first to last run.
     ahead: tuple[tuple[int, int, int], ...] = ()
+    # Per position, for an op that forwards each input to the output of its index (IdentityN: a
+    # custom gradient's outputs), its data inputs as (producer position, output); -1: not scheduled.
+    ports: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     def with_scratch(self, by_name: dict, first=frozenset()) -> "Schedule":
         """The same schedule with kernel scratch bytes per op name (e.g. measured on the stand-in),
@@ -110,7 +113,7 @@ class Schedule:
         shares, in_place = ((), ())
         if memory_model == "executor":
             shares, in_place = memmodel.sharing(self.ops, self.tensors, self.inputs, self.on_gpu, self.reads_constant,
-                                                self.carried, stand_in=self.stand_in)
+                                                self.carried, stand_in=self.stand_in, ports=self.ports)
         return replace(self, memory_model=memory_model, shares=shares, in_place=in_place)
 
     def without(self, names) -> "Schedule":
@@ -168,7 +171,8 @@ class Schedule:
                          levels=pick(self.levels), compute=pick(self.compute), on_gpu=pick(self.on_gpu),
                          tensors=tuple(tensors), inputs=inputs, scratch=pick(self.scratch),
                          scratch_first=pick(self.scratch_first), shares=(), in_place=(),
-                         reads_constant=pick(self.reads_constant), carried=pick(self.carried), ahead=tuple(ahead))
+                         reads_constant=pick(self.reads_constant), carried=pick(self.carried), ahead=tuple(ahead),
+                         ports=tuple(tuple((new_pos.get(src, -1), out) for src, out in p) for p in pick(self.ports)))
         return pruned.with_memory_model(self.memory_model)
 
     @property
@@ -438,6 +442,26 @@ def loop_counts(view: GraphView):
     return cached
 
 
+def _replaced_constants(view: GraphView, position: dict, folded) -> frozenset[int]:
+    """The ``Const`` nodes whose every reader becomes a runtime constant (``folded``): once the
+    runtime has folded them, nothing reads the ``Const`` and the optimizer drops it. A frozen
+    graph's weights, ``Const -> Identity (read) -> Conv2D``, each held once, not twice (QA: a
+    frozen CNN's constants were counted at 1.07 MiB, 549 KiB in the graph TensorFlow runs)."""
+    out = set()
+    for i in range(view.size):
+        if view.ops[i] not in CONSTANT_OPS or i not in position:
+            continue
+        readers = {dst for dst, _port, _out in view.consumers[i] if dst in position}
+        if readers and all(_all_outputs_folded(view, dst, position, folded) for dst in readers):
+            out.add(i)
+    return frozenset(out)
+
+
+def _all_outputs_folded(view: GraphView, node: int, position: dict, folded) -> bool:
+    read = {out for dst, _port, out in view.consumers[node] if dst in position}
+    return bool(read) and all((node, out) in folded for out in read)
+
+
 def _add_storage(tensors: list, inputs: list, pos: int, kept, position: dict, n: int, loop_end: int = -1,
                  reader_ends: tuple = (), value: bool = False, filled_in: str = "", entry_read: int = -1) -> None:
     """A tensor of ``kept.num_bytes`` made at ``pos`` (a push, a TensorArray write) and read by the
@@ -503,8 +527,9 @@ def _describe(view: GraphView, order: list[int], cost: dict, on_gpu: list[bool],
         for pos, i in enumerate(order):
             if view.frames[i] and on_gpu[pos]:
                 loop_end[view.outermost(view.frames[i])] = pos
+    replaced = _replaced_constants(view, position, folded) if folded else frozenset()
     for pos, i in enumerate(order):
-        if view.ops[i] in VARIABLE_OPS:
+        if view.ops[i] in VARIABLE_OPS or i in replaced:
             continue
         if i in kept and on_gpu[pos]:
             end = loop_end.get(view.outermost(view.frames[i]), -1) if view.frames[i] else -1
@@ -542,6 +567,10 @@ def _describe(view: GraphView, order: list[int], cost: dict, on_gpu: list[bool],
     reads_constant = tuple(on_gpu[pos] and src >= 0 and (view.ops[src] in CONSTANT_OPS or (src, output) in folded)
                            and src in position and on_gpu[position[src]]
                            for pos, (src, output) in enumerate(first_inputs))
+    from lmscli.model.memmodel import PORT_FORWARDING_OPS
+
+    ports = tuple(tuple((position.get(src, -1), out) for src, out in view.data_inputs[i])
+                  if view.ops[i] in PORT_FORWARDING_OPS else () for i in order)
     if any(view.frames):
         from lmscli.model.loops import loop_merges, resident_pops
 
@@ -564,4 +593,5 @@ def _describe(view: GraphView, order: list[int], cost: dict, on_gpu: list[bool],
         device=device,
         reads_constant=reads_constant if any(reads_constant) else (),
         carried=carried if any(carried) else (),
+        ports=ports if any(ports) else (),
     )
