@@ -543,6 +543,11 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
         console = _console(no_color)
         report.render_tune(console, shown, details)
         report.render_rewrite(console, rep, output, dry_run, event_file)
+    if not quiet and not plan.stand_in and plan.swaps:
+        # (QA: six GPU plans ran out of memory under `lms verify --gpu-mem` at their budgets)
+        click.echo("note: a plan made without --stand-in is for a GPU; `lms verify --gpu-mem` runs it on a CPU "
+                   "stand-in, where swapped tensors stay until their sends run and it can need more than the "
+                   "budget: to prove a plan at its budget there, make it with --stand-in", err=True)
 
 
 from lmscli.verify_cli import measure, verify  # noqa: E402  (imports no TensorFlow)

@@ -184,6 +184,7 @@ def _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, o
     from lmscli.prove import realmem
     from lmscli.prove.standin import StandIn
 
+    batch_size = _run_batch([model_a, model_b], batch_size)
     with StandIn(optimize=optimize) as stand_in:
         prediction_a, observation = realmem.predict(model_a, batch_size, stand_in=stand_in)
         prediction_b, _ = realmem.predict(model_b, batch_size, observation, stand_in)
@@ -263,6 +264,7 @@ def measure(graphs, batch_size, fetch, runs, no_tf_optimize, as_json, no_color):
     # original was measured at batch 1 beside its rewrite at 32, 2 MiB against 16).
     for other in models[1:]:
         batch_size = rewrite_batch_size(models[0].meta_graph, other.meta_graph, batch_size)
+    batch_size = _run_batch(models, batch_size)
     with progress.phase("measuring on the stand-in GPU"):
         needs = realmem.measure_need(models, batch_size=batch_size, runs=runs, optimize=not no_tf_optimize)
     if as_json:
@@ -270,6 +272,17 @@ def measure(graphs, batch_size, fetch, runs, no_tf_optimize, as_json, no_color):
                                "graphs": [n.to_dict() for n in needs]}, indent=2))
         return
     _render_needs(_console(no_color), needs)
+
+
+def _run_batch(models, batch_size):
+    """:func:`lmscli.prove.realmem.run_batch`, saying on stderr when it chose batch 1."""
+    from lmscli.prove import realmem
+
+    chosen = realmem.run_batch(models, batch_size)
+    if batch_size is None and chosen is not None:
+        click.echo(f"note: {os.path.basename(models[0].path)} has an unknown batch dimension: its steps run, and are "
+                   f"predicted, at batch {chosen} (--batch-size N for another)", err=True)
+    return chosen
 
 
 def _load_like(path: str, first, fetches):

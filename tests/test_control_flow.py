@@ -109,6 +109,7 @@ def test_the_cli_plans_inside_branches(samples, runner, tmp_path):
     result = invoke(runner, "rewrite", samples / "cond_branch.meta", out, "--gpu-mem", "65%", "--reserve", "0",
                     "--json")
     assert result.exit_code == 0, result.stderr
+    assert "make it with --stand-in" in result.stderr  # (a GPU plan: the stand-in may need more)
     doc = json.loads(result.stdout)
     assert doc["swap_ins"] >= 5
     predicted = doc["plan"]["predicted"]

@@ -139,6 +139,17 @@ def test_measure_finds_the_smallest_limit(runner, samples):
     assert any(limit == need["min_limit_bytes"] - MIB and not fits for limit, fits in need["probes"])
 
 
+def test_measure_predicts_a_graph_of_unknown_batch_at_the_batch_it_runs(runner, samples):
+    """A graph with an unknown batch dimension runs its steps on the stand-in at batch 1, and is
+    now predicted at batch 1 too, with a note; QA: predicted with its batch tensors unknown (0
+    bytes), a frozen CNN's need was said to be half what it measured, without a word."""
+    done = invoke(runner, "measure", samples / "unknown_batch.meta", "--runs", "1", "--json")
+    assert done.exit_code == 0, done.output
+    assert "unknown batch dimension" in done.stderr and "batch 1" in done.stderr
+    need = json.loads(done.stdout)["graphs"][0]
+    assert 0.97 <= need["predicted_standin_bytes"] / need["min_limit_bytes"] <= 1.10, need
+
+
 def test_measure_names_each_graph_below_their_common_folder(tmp_path, monkeypatch):
     """QA: two long paths folded every 10 characters in measure's table ("/work/qa/r | ound29/out |
     m_70MiB.me | ta"), and which row was which could be told only from their order."""

@@ -153,7 +153,8 @@ def test_an_out_of_memory_line_says_when_the_free_memory_was_in_pieces():
         "ran out of memory trying to allocate 48.0KiB", "running the step", 10 * MIB, "c2/Conv2D")
     # A node TensorFlow added where it split the graph between the processes is named by its source
     for added in ("update/truediv_1_S24", "_send_update/truediv_1_S24_0", "update/truediv_1/_332_S96"):
-        assert "allocating 4.50 MiB for a transfer of update/truediv_1 between the processes failed" in _oom_message(
+        assert ("allocating 4.50 MiB for a transfer between the processes (a node TensorFlow named after "
+                "update/truediv_1) failed") in _oom_message(
             line, "running the step", 10 * MIB, added), added
 
 

@@ -126,14 +126,28 @@ class Need:
                 "varies": self.varies, "probes": [list(x) for x in self.probes], "seconds": round(self.seconds, 2)}
 
 
+def run_batch(models, batch_size: int | None) -> int | None:
+    """The batch size steps of ``models`` run at on the stand-in, which their predictions must
+    use too: ``batch_size``; else 1 where a graph has an unknown batch dimension (its steps are
+    fed at 1; predicted with that dimension unknown, its tensors counted 0 bytes, a QA frozen
+    graph's need was said to be half what it measured); else None."""
+    if batch_size is not None:
+        return batch_size
+    from lmscli.graph.shapes import set_batch_size
+
+    return 1 if any(set_batch_size(m.graph_def, 1)[1] for m in models) else None
+
+
 @timed("find the smallest limit")
 def measure_need(models, batch_size: int | None = None, runs: int = 3, optimize: bool = True,
                  stand_in=None, observation=None) -> tuple[Need, ...]:
     """The smallest limit (to 1 MiB) under which one step of each of ``models`` runs, each found by
     bisection around the simulator's prediction and confirmed ``runs`` times. Each model's kernel
-    scratch is lent to the next (a rewrite runs the same kernels), starting from ``observation``."""
+    scratch is lent to the next (a rewrite runs the same kernels), starting from ``observation``.
+    An unknown batch dimension is 1 unless ``batch_size`` says otherwise (:func:`run_batch`)."""
     from lmscli.prove.standin import StandIn
 
+    batch_size = run_batch(models, batch_size)
     out = []
     owned = stand_in is None
     stand_in = stand_in or StandIn(optimize=optimize)

@@ -570,7 +570,9 @@ def _oom_message(text: str, phase: str, limit_bytes: int | None, node: str | Non
         # (a node TensorFlow adds where it splits the graph between the processes, "NAME_S24":
         # QA r39 read it as a node of the graph that did not exist)
         split = re.fullmatch(r"(?:_send_|_recv_)?(.+?)(?:/_\d+)?_S\d+(?:_\d+)?", node)
-        detail += f" for {node}" if split is None else f" for a transfer of {split.group(1)} between the processes"
+        # (QA r46: "a transfer of ...ResourceApplyMomentum", an op with no output to send, read as wrong)
+        detail += f" for {node}" if split is None else (f" for a transfer between the processes (a node TensorFlow "
+                                                        f"named after {split.group(1)})")
     detail += " failed"
     if held:
         detail += f" ({held.group(1)})"
