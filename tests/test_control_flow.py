@@ -575,10 +575,11 @@ def test_a_cond_inside_a_loop_keeps_the_stacks_of_one_branch_every_trip(tmp_path
 def test_a_cond_on_the_loop_counter_keeps_each_branchs_stacks_for_the_trips_that_take_it(tmp_path):
     """Where a cond inside a loop tests the loop's counter (``t % 2 == 0``), lms computes which
     branch each iteration takes: each branch's stacks hold their own branch's trips (8 of 16
-    each), not the larger branch's with every trip. Real memory: QA's loop of this kind was
-    predicted to need 85 MiB on the stand-in and trained under 45; this one, 32 steps of 256 x
-    256, was predicted at 31 MiB and needs 19 (27 now: the stacks of a loop variable and of the
-    value that becomes the next one hold the same buffers, counted twice)."""
+    each), not the larger branch's with every trip; and the odd steps' push of the value they
+    start from keeps nothing of its own: that value is the even step's tanh, which the even
+    branch's stack keeps already. Real memory: QA's loop of this kind was predicted to need 85
+    MiB on the stand-in and trained under 45; this one, 32 steps of 256 x 256, was predicted at
+    31 MiB and needs 19 (27 with each branch's trips, 23 with the shared buffers counted once)."""
     from lmscli.model import loops
     from lmscli.prove.realmem import measure_need
 
@@ -591,14 +592,15 @@ def test_a_cond_on_the_loop_counter_keeps_each_branchs_stacks_for_the_trips_that
         (tag,) = tags[s.writer]
         by_branch.setdefault(tag[1], []).append(s)
     assert sorted(by_branch) == [0, 1] and all(s.trips == 8 and s.least_bytes is None for s in kept)
-    assert len(by_branch[0]) == 3 and len(by_branch[1]) == 2  # relu, sigmoid and h; tanh and h
+    assert len(by_branch[0]) == 2 and len(by_branch[1]) == 2  # relu and sigmoid; tanh and h (h: the odd steps' tanh)
+    assert not any("MatMul_1_grad" in view.names[s.writer] for s in kept)  # the odd steps' h
     unknown = api.prepare(api.load(str(_alternating_loop(tmp_path / "data.meta")))).view
     tags = unknown.branch_tags(in_loops=True)
     assert all(s.trips == 16 for s in loops.storage(unknown) if s.kind == "stack" and tags[s.writer])
 
     big = api.load(str(_alternating_loop(tmp_path / "big.meta", steps=32, batch=256, hidden=256, known=True)))
     need = measure_need([big], runs=1)[0]
-    assert need.min_limit_bytes <= need.prediction.predicted_standin_bytes <= 1.5 * need.min_limit_bytes
+    assert need.min_limit_bytes <= need.prediction.predicted_standin_bytes <= 1.3 * need.min_limit_bytes
 
 
 @pytest.mark.parametrize("name, predicate, start, expected", [

@@ -314,8 +314,9 @@ def _one_branch_per_cond(view: GraphView, found: list[Storage], loops: dict | No
     for s in stacks:
         if len(tags[s.writer]) == 1 and next(iter(tags[s.writer]))[0] in taken:
             pred, port = next(iter(tags[s.writer]))
-            exact[s.writer] = taken[pred][port]
+            exact[s.writer] = sum(1 for branch in taken[pred] if branch == bool(port))
     if exact:
+        exact = _less_shared(view, exact, taken, tags)
         found = [replace(s, num_bytes=s.num_bytes // s.trips * exact[s.writer], trips=exact[s.writer])
                  if s.writer in exact else s for s in found if exact.get(s.writer, 1) > 0]
         stacks = [s for s in found if s.kind == "stack" and s.writer not in exact]
@@ -343,15 +344,15 @@ def _one_branch_per_cond(view: GraphView, found: list[Storage], loops: dict | No
     return out
 
 
-def _branch_trips(view: GraphView, preds, loops: dict[str, Loop]) -> dict[tuple, tuple[int, int]]:
-    """Per predicate of a cond inside a loop (``(node, output)``), the iterations of one run of
-    the loop that take its false and its true branch, where the predicate is computed from the
+def _branch_trips(view: GraphView, preds, loops: dict[str, Loop]) -> dict[tuple, list[bool]]:
+    """Per predicate of a cond inside a loop (``(node, output)``), the branch each iteration of
+    one run of the loop takes (True: the true branch), where the predicate is computed from the
     loop's counters (:func:`lmscli.graph.loopvalues.per_iteration`) in a loop that no other loop
     runs (QA: a loop taking one branch on even steps and the other on odd ones was predicted to
     need 85 MiB, its larger branch counted every trip; it trained under 45)."""
     from lmscli.graph.loopvalues import per_iteration
 
-    out: dict[tuple, tuple[int, int]] = {}
+    out: dict[tuple, list[bool]] = {}
     evaluator = None
     for pred in sorted(preds):
         frame = view.frames[pred[0]]
@@ -362,8 +363,64 @@ def _branch_trips(view: GraphView, preds, loops: dict[str, Loop]) -> dict[tuple,
         values = per_iteration(view, pred[0], pred[1], frame, loop.trips, evaluator)
         if values is None or not all(isinstance(v, bool) for v in values):
             continue
-        true = sum(values)
-        out[pred] = (loop.trips - true, true)
+        out[pred] = values
+    return out
+
+
+def _less_shared(view: GraphView, exact: dict[int, int], taken: dict, tags) -> dict[int, int]:
+    """``exact`` (per push of a cond's branch, the iterations that take it) less the iterations
+    in which it pushes a buffer that the other push keeps already: a loop variable's value, made
+    by a branch of the cond the iteration before and pushed there too. A loop alternating two
+    branches, one pushing its result ``tanh`` and both pushing the value they start from::
+
+        iteration 0 (even): push h0, push tanh0 = h1       even stacks: h0 h2 h4 ..  tanh0 tanh2 ..
+        iteration 1 (odd):  push h1 (= tanh0's buffer)     odd stack:   h1 h3 ..     (tanh0 tanh2 ..)
+    """
+    values = {push: _kept_value(view, push, 1) for push in exact}
+    pushed: dict[tuple, set] = {}  # (pred, port) -> values the pushes of that branch keep
+    for push, value in values.items():
+        pushed.setdefault(next(iter(tags[push])), set()).add(value)
+    out = dict(exact)
+    for push in exact:
+        pred, port = next(iter(tags[push]))
+        made = _made_by_branches(view, push, pred, tags)
+        if made is None:
+            continue
+        sequence = taken[pred]
+        shared = sum(1 for k in range(1, len(sequence)) if sequence[k] == bool(port)
+                     and made.get(int(sequence[k - 1])) in pushed.get((pred, int(sequence[k - 1])), ()))
+        out[push] = exact[push] - shared
+    return out
+
+
+def _made_by_branches(view: GraphView, push: int, pred: tuple, tags) -> dict[int, tuple[int, int]] | None:
+    """For a push of a loop variable inside a branch of the cond testing ``pred``, where the value
+    the loop carries is that cond's result: per port of the cond, the tensor its branch makes for
+    it (through Identities); None for any other push::
+
+        Merge (loop) -> Switch:1 -> Identity -> Switch (cond) --> push      the loop variable
+        NextIteration <- Merge (cond) <- tanh (true branch), mul (false branch)
+    """
+    frame = view.frames[push]
+    src, output = view.data_inputs[push][1] if len(view.data_inputs[push]) > 1 else (None, 0)
+    seen = set()
+    while src is not None and src not in seen and view.frames[src] == frame and view.data_inputs[src]:
+        seen.add(src)
+        op = view.ops[src]
+        if op == "Identity" or (op in ("Switch", "RefSwitch") and _loop_merge(view, src, output) is None):
+            src, output = view.data_inputs[src][0]
+            continue
+        break
+    carried = _carried(view, src, output) if src is not None else None
+    if carried is None or view.ops[carried[0]] not in ("Merge", "RefMerge"):
+        return None
+    out = {}
+    for node, out_port in view.data_inputs[carried[0]]:
+        node, out_port = _through_identities(view, node, out_port, frame)
+        branch = [port for p, port in tags[node] if p == pred]
+        if len(branch) != 1:
+            return None
+        out[branch[0]] = (node, out_port)
     return out
 
 
