@@ -357,7 +357,7 @@ def _branch_trips(view: GraphView, preds, loops: dict[str, Loop]) -> dict[tuple,
     for pred in sorted(preds):
         frame = view.frames[pred[0]]
         loop = loops.get(frame)
-        if not loop or not loop.trips or view.frame_parent.get(frame, ""):
+        if not loop or not loop.trips or loop.trips > MAX_COUNTED or view.frame_parent.get(frame, ""):
             continue
         evaluator = evaluator or Evaluator(view)
         values = per_iteration(view, pred[0], pred[1], frame, loop.trips, evaluator)
@@ -831,6 +831,8 @@ def _counted(view: GraphView, cond: tuple[int, int], frame: str, evaluator, gues
     from lmscli.graph.loopvalues import per_iteration
 
     n = max(2, (guess or 0) + 1)
+    if n > MAX_COUNTED:
+        return None
     while True:
         values = per_iteration(view, cond[0], cond[1], frame, n, evaluator)
         if values is None or not all(isinstance(v, bool) for v in values):
