@@ -202,7 +202,6 @@ _BINARY = {
     "LogicalOr": lambda a, b: bool(a or b),
 }
 _UNARY = {"Identity": lambda a: a, "LogicalNot": lambda a: not a, "Neg": lambda a: -a}
-_INTEGER_OPS = frozenset({"FloorMod", "FloorDiv"})
 
 
 def per_iteration(view: GraphView, node: int, output: int, frame: str, trips: int, evaluator: Evaluator):
@@ -222,9 +221,9 @@ def per_iteration(view: GraphView, node: int, output: int, frame: str, trips: in
         op = view.ops[n]
         if view.frames[n] != frame:
             return None
-        if op == "Const":
+        if op == "Const":  # (not a float: Python's doubles are not TensorFlow's float32)
             value = evaluator._const(n)
-            return None if value is None else (lambda env: value)
+            return None if value is None or isinstance(value, float) else (lambda env: value)
         if op in ("Enter", "RefEnter"):
             value = evaluator.value(n, out, frame)
             return None if value is None or isinstance(value, float) else (lambda env: value)
@@ -260,9 +259,12 @@ def per_iteration(view: GraphView, node: int, output: int, frame: str, trips: in
         return None
     env = dict(starts)
     out = []
-    for _ in range(trips):
-        out.append(value(env))
-        env = {m: merges[m](env) for m in merges}
+    try:
+        for _ in range(trips):
+            out.append(value(env))
+            env = {m: merges[m](env) for m in merges}
+    except (ArithmeticError, TypeError):  # (a division by zero: TensorFlow's kernel would fail too)
+        return None
     return out
 
 
