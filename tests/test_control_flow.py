@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lmscli import api
 from lmscli.plan.candidates import branch_safe
@@ -641,6 +643,41 @@ def test_a_predicate_of_the_loop_counters_is_computed_for_each_iteration(name, p
     assert per_iteration(view, pred, 0, view.frames[pred], 12, evaluator) == expected
     data = view.index["while/data_pred"]
     assert per_iteration(view, data, 0, view.frames[data], 12, evaluator) is None
+
+
+@settings(max_examples=8, deadline=None)
+@given(start=st.integers(-5, 5), step=st.integers(1, 3), modulus=st.integers(2, 5), residue=st.integers(0, 4),
+       bound=st.integers(1, 30))
+def test_counter_predicates_and_trip_counts_match_python(start, step, modulus, residue, bound):
+    """Property: for ``t = start; while t < bound: t += step`` with a cond on ``t % modulus ==
+    residue``, the trip count and each iteration's branch are what Python computes."""
+    from lmscli.graph.loopvalues import Evaluator, per_iteration
+    from lmscli.model import loops
+    from lmscli.tfimport import tensorflow
+
+    tf = tensorflow()
+    v1 = tf.compat.v1
+    was = v1.control_flow_v2_enabled()
+    v1.disable_control_flow_v2()
+    try:
+        graph = tf.Graph()
+        with graph.as_default():
+            def body(t, h):
+                pred = tf.equal(tf.math.floormod(t, modulus), residue, name="pred")
+                return t + step, h + tf.cast(pred, tf.float32)
+
+            v1.while_loop(lambda t, h: t < bound, body, [tf.constant(start), tf.constant(0.0)])
+        view = GraphView(graph.as_graph_def())
+    finally:
+        if was:
+            v1.enable_control_flow_v2()
+    values = list(range(start, bound, step))
+    (loop,) = loops.trip_counts(view).values()
+    assert loop.trips == len(values) or (not values and loop.trips in (0, None))
+    if values:
+        pred = view.index["while/pred"]
+        assert per_iteration(view, pred, 0, view.frames[pred], len(values), Evaluator(view)) == [
+            v % modulus == residue for v in values]
 
 
 def test_a_lower_bound_counts_a_cond_in_a_loop_as_if_every_trip_took_the_smaller_branch(tmp_path, monkeypatch):
