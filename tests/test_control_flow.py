@@ -9,6 +9,7 @@ in the other (or outside the cond) would silently stop that node when the branch
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 
 import pytest
 from hypothesis import given, settings
@@ -19,6 +20,25 @@ from lmscli.plan.candidates import branch_safe
 from lmscli.graph.graphview import GraphView
 from lmscli.prove import steps
 from tests.conftest import invoke, v1_training_graph
+
+
+@contextmanager
+def _v1_loop_graph():
+    """A graph built with v1 control flow (no training op): yields ``(tf, v1, graph)``; the v2
+    setting is restored. ``GraphView(graph.as_graph_def())`` reads it afterwards."""
+    from lmscli.tfimport import tensorflow
+
+    tf = tensorflow()
+    v1 = tf.compat.v1
+    was = v1.control_flow_v2_enabled()
+    v1.disable_control_flow_v2()
+    try:
+        graph = tf.Graph()
+        with graph.as_default():
+            yield tf, v1, graph
+    finally:
+        if was:
+            v1.enable_control_flow_v2()
 
 
 def _with_predicate(meta_graph, value: bool):
@@ -250,19 +270,9 @@ def test_a_loop_is_counted_from_where_its_counter_starts_and_by_its_step(start, 
     """``i = start; while i < bound: i += step`` runs ``ceil((bound - start) / step)`` times; read
     as ``Less(counter, bound)`` alone, every such loop was counted ``bound`` times."""
     from lmscli.model import loops
-    from lmscli.tfimport import tensorflow
 
-    tf = tensorflow()
-    v1 = tf.compat.v1
-    was = v1.control_flow_v2_enabled()
-    v1.disable_control_flow_v2()
-    try:
-        graph = tf.Graph()
-        with graph.as_default():
-            v1.while_loop(lambda t, h: t < bound, lambda t, h: (t + step, h * 2.0), [tf.constant(start), tf.constant(1.0)])
-    finally:
-        if was:
-            v1.enable_control_flow_v2()
+    with _v1_loop_graph() as (tf, v1, graph):
+        v1.while_loop(lambda t, h: t < bound, lambda t, h: (t + step, h * 2.0), [tf.constant(start), tf.constant(1.0)])
     (loop,) = loops.trip_counts(GraphView(graph.as_graph_def())).values()
     assert loop.trips == trips
 
@@ -617,27 +627,17 @@ def test_a_predicate_of_the_loop_counters_is_computed_for_each_iteration(name, p
     (integer loop variables stepped by constants) takes in each iteration; None where it reads
     the data."""
     from lmscli.graph.loopvalues import Evaluator, per_iteration
-    from lmscli.tfimport import tensorflow
 
-    tf = tensorflow()
-    v1 = tf.compat.v1
-    was = v1.control_flow_v2_enabled()
-    v1.disable_control_flow_v2()
-    try:
-        graph = tf.Graph()
-        with graph.as_default():
-            flag = v1.placeholder_with_default(True, [], name="flag")
+    with _v1_loop_graph() as (tf, v1, graph):
+        flag = v1.placeholder_with_default(True, [], name="flag")
 
-            def body(t, s, h):
-                pred = tf.identity(predicate(tf, t, s), name="pred")
-                data = tf.logical_and(pred, flag, name="data_pred")
-                return t + 1, s + 3, h + tf.cast(pred, tf.float32) + tf.cast(data, tf.float32)
+        def body(t, s, h):
+            pred = tf.identity(predicate(tf, t, s), name="pred")
+            data = tf.logical_and(pred, flag, name="data_pred")
+            return t + 1, s + 3, h + tf.cast(pred, tf.float32) + tf.cast(data, tf.float32)
 
-            v1.while_loop(lambda t, s, h: t < 12 + start, body, [tf.constant(start), tf.constant(1), tf.constant(0.0)])
-        view = GraphView(graph.as_graph_def())
-    finally:
-        if was:
-            v1.enable_control_flow_v2()
+        v1.while_loop(lambda t, s, h: t < 12 + start, body, [tf.constant(start), tf.constant(1), tf.constant(0.0)])
+    view = GraphView(graph.as_graph_def())
     evaluator = Evaluator(view)
     pred = view.index["while/pred"]
     assert per_iteration(view, pred, 0, view.frames[pred], 12, evaluator) == expected
@@ -653,24 +653,14 @@ def test_counter_predicates_and_trip_counts_match_python(start, step, modulus, r
     residue``, the trip count and each iteration's branch are what Python computes."""
     from lmscli.graph.loopvalues import Evaluator, per_iteration
     from lmscli.model import loops
-    from lmscli.tfimport import tensorflow
 
-    tf = tensorflow()
-    v1 = tf.compat.v1
-    was = v1.control_flow_v2_enabled()
-    v1.disable_control_flow_v2()
-    try:
-        graph = tf.Graph()
-        with graph.as_default():
-            def body(t, h):
-                pred = tf.equal(tf.math.floormod(t, modulus), residue, name="pred")
-                return t + step, h + tf.cast(pred, tf.float32)
+    with _v1_loop_graph() as (tf, v1, graph):
+        def body(t, h):
+            pred = tf.equal(tf.math.floormod(t, modulus), residue, name="pred")
+            return t + step, h + tf.cast(pred, tf.float32)
 
-            v1.while_loop(lambda t, h: t < bound, body, [tf.constant(start), tf.constant(0.0)])
-        view = GraphView(graph.as_graph_def())
-    finally:
-        if was:
-            v1.enable_control_flow_v2()
+        v1.while_loop(lambda t, h: t < bound, body, [tf.constant(start), tf.constant(0.0)])
+    view = GraphView(graph.as_graph_def())
     values = list(range(start, bound, step))
     (loop,) = loops.trip_counts(view).values()
     assert loop.trips == len(values) or (not values and loop.trips in (0, None))
