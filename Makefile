@@ -16,7 +16,7 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 # Two workers, a test file each at a time (its module fixtures made once): most tests wait on one
-# core (a stand-in's server runs one thread), and the suite takes 12 to 16 minutes here (431 tests, stop 45: 15.5 with other work beside it).
+# core (a stand-in's server runs one thread), and the suite takes 12 to 16 minutes here (446 tests, stop 46: 14.0 on a clean clone with other work beside it).
 test: install
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
