@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from lmscli.plan import hoststacks
 from lmscli.plan.candidates import Filters, candidates
 from lmscli.errors import InputError
-from lmscli.graph.graphview import VARIABLE_OPS, GraphView, TensorInfo
+from lmscli.graph.graphview import SHAPE_OPS, VARIABLE_OPS, GraphView, TensorInfo
 from lmscli.loader import Model
 from lmscli.model.schedule import STORAGE_OUTPUT, Schedule, build_schedules, loop_counts, variable_bytes
 from lmscli.model.simulator import SimResult, simulate
@@ -632,7 +632,7 @@ def unknown_size_warning(prepared: Prepared) -> str | None:
     (else the sizes depend on the data, e.g. the number of unique ids)."""
     view, found, in_loops = prepared.view, [], 0
     for i in prepared.schedule.nodes:
-        if view.ops[i] in SHAPE_OPS:
+        if view.ops[i] in DIMENSION_OPS:
             continue  # (a few integers each, sized by ranks: QA r45 saw them "depend on the data")
         for k, info in enumerate(view.outputs(i)):
             if info.num_bytes is None and info.shape is not None:
@@ -655,7 +655,8 @@ def unknown_size_warning(prepared: Prepared) -> str | None:
             f"too small (largest: {name} {_dims(shape)}){hint}")
 
 
-SHAPE_OPS = frozenset({"BroadcastGradientArgs", "BroadcastArgs", "Shape", "ShapeN"})  # outputs: dimensions, indices
+# Ops whose outputs are dimensions or indices (a shape's reads, and the broadcast ops of gradients).
+DIMENSION_OPS = SHAPE_OPS | frozenset({"BroadcastGradientArgs", "BroadcastArgs"})
 
 
 def _loop_notes(view: GraphView, active) -> tuple[str, ...]:

@@ -5,7 +5,7 @@ memory model (:mod:`lmscli.model.loops`) and the host stacks (:mod:`lmscli.plan.
 
 from __future__ import annotations
 
-from lmscli.graph.graphview import GraphView
+from lmscli.graph.graphview import SHAPE_OPS, GraphView
 
 PUSH_OPS = frozenset({"StackPushV2", "StackPush", "TensorListPushBack"})
 POP_OPS = frozenset({"StackPopV2", "StackPop", "TensorListPopBack"})
@@ -93,7 +93,6 @@ def value_before_the_step(view: GraphView, node: int, output: int):
     return evaluator._const(node) if view.ops[node] == "Const" else evaluator._run(node, output)
 
 
-SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})  # read a tensor's shape, not its values
 VALUE_LEAVES = frozenset({"Placeholder", "PlaceholderWithDefault", "PlaceholderV2", "VarHandleOp", "VariableV2",
                           "Variable", "ReadVariableOp"})
 

@@ -133,17 +133,12 @@ def sharing(ops, tensors, inputs, on_gpu, reads_constant=(), carried=(), stand_i
             continue
         # (only tensors made before: a loop's Merge also reads its NextIteration, through a back edge)
         same = [i for i in inputs[k] if i < t.id and tensors[i].num_bytes == t.num_bytes]
-        if op in PORT_FORWARDING_OPS and ports and ports[k]:
+        by_port = op in PORT_FORWARDING_OPS and bool(ports) and bool(ports[k])
+        if by_port:
             # output k is input k (a custom gradient's IdentityN passes on the forward pass's tensors)
             src = ports[k][t.output] if t.output < len(ports[k]) else (-1, 0)
             same = [i for i in same if (tensors[i].producer, tensors[i].output) == src]
-            if same and t.output:
-                r = root[t.id] = root[same[0]]
-                shares[t.id] = RESIDENT if r < 0 else same[0]
-                if r >= 0:
-                    last_use[r] = max(last_use[r], last_use[t.id])
-                continue
-        if op in FORWARDING_OPS and same and (t.output == 0 or op in SWITCH_OPS):
+        if op in FORWARDING_OPS and same and (t.output == 0 or op in SWITCH_OPS or by_port):
             src = same[0]
             if root[src] < 0 and carried and carried[k]:
                 continue  # a loop-carried value that enters as a constant: see the docstring
