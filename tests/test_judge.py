@@ -154,11 +154,12 @@ def test_a_plan_must_also_fit_with_half_the_reserve_less():
                            None if fits else "out of memory", None, 1.0, peak, None, need)
 
     device = api.make_device(gpu_mem=20 * MIB, reserve=0.1)  # budget 18 MiB; half the reserve: 1 MiB
-    cases = (([verdict(True, 16 * MIB), verdict(True, 16 * MIB)], [20, 19], True),
-             ([verdict(True, int(18.8 * MIB)), verdict(True, int(18.5 * MIB))], [20, 19], True),
-             ([verdict(True, 16 * MIB), verdict(False, None, int(19.2 * MIB))], [20, 19], False),  # QA: Inception
-             ([verdict(True, 20 * MIB), verdict(False, None, int(19.5 * MIB))], [20, 19], False),
-             ([verdict(False, None, 21 * MIB)], [20], False))
+    # (under the tighter limit first: a plan that fails there needs no runs under the limit)
+    cases = (([verdict(True, 16 * MIB), verdict(True, 16 * MIB)], [19, 20], True),
+             ([verdict(True, int(18.5 * MIB)), verdict(True, int(18.8 * MIB))], [19, 20], True),
+             ([verdict(False, None, int(19.2 * MIB))], [19], False),  # QA: Inception
+             ([verdict(False, None, int(19.5 * MIB))], [19], False),
+             ([verdict(True, 16 * MIB), verdict(False, None, 21 * MIB)], [19, 20], False))
     for verdicts, limits, fits in cases:
         fake = Fake(verdicts)
         prepared = SimpleNamespace(stand_in=fake, model=SimpleNamespace(fetches=()), batch_size=1, judge_runs=None)
@@ -167,10 +168,10 @@ def test_a_plan_must_also_fit_with_half_the_reserve_less():
         assert judge.stand_in_need(prepared, meta_graph_pb2.MetaGraphDef(), device) == need  # judged once
         assert len(fake.limits) == len(limits)
         assert (need <= device.budget) == fits
-        if len(limits) == 2:  # recorded as one verdict at the limit, of both sets of runs
-            assert fake.last_verdict.limit_bytes == 20 * MIB and fake.last_verdict.runs == 5 + verdicts[1].runs
-            assert fake.last_verdict.headroom_limit_bytes == 19 * MIB
-            assert fake.last_verdict.fits == fits and (fits or "19.00 MiB" in fake.last_verdict.message)
+        # recorded as one verdict at the limit, of both sets of runs
+        assert fake.last_verdict.limit_bytes == 20 * MIB and fake.last_verdict.runs == sum(v.runs for v in verdicts)
+        assert fake.last_verdict.headroom_limit_bytes == 19 * MIB and fake.last_verdict.fits == fits
+        assert fits or ("19.00 MiB" in fake.last_verdict.message) == (len(limits) == 1)
     # --judge-runs: that many runs under each limit, and judged anew (another key)
     fake = Fake([verdict(True, 16 * MIB), verdict(True, 16 * MIB)])
     prepared = SimpleNamespace(stand_in=fake, model=SimpleNamespace(fetches=()), batch_size=1, judge_runs=None)
@@ -188,14 +189,17 @@ def test_the_judges_runs_are_told_under_both_limits():
 
     line = _stand_in_line({"limit_bytes": 20 * MIB, "runs": 10, "steps": 2, "fits": True,
                            "peak_in_use_bytes": 19 * MIB, "failure": None, "headroom_limit_bytes": 19 * MIB})
-    assert line.startswith("5 run(s) of 2 step(s) under 20.00 MiB and 5 under 19.00 MiB: trained")
+    assert line.startswith("5 run(s) of 2 step(s) under 19.00 MiB and 5 under 20.00 MiB: trained")
     assert "in use under 20.00 MiB" in line
-    failed = _stand_in_line({"limit_bytes": 20 * MIB, "runs": 6, "steps": 2, "fits": False, "peak_in_use_bytes": None,
+    failed = _stand_in_line({"limit_bytes": 20 * MIB, "runs": 3, "steps": 2, "fits": False, "peak_in_use_bytes": None,
                              "failure": "under 19.00 MiB: out of memory", "headroom_limit_bytes": 19 * MIB})
-    assert failed.startswith("5 run(s) of 2 step(s) under 20.00 MiB and 1 under 19.00 MiB: under 19.00 MiB")
+    assert failed.startswith("3 run(s) of 2 step(s) under 19.00 MiB: under 19.00 MiB")
+    late = _stand_in_line({"limit_bytes": 20 * MIB, "runs": 6, "steps": 2, "fits": False, "peak_in_use_bytes": None,
+                           "failure": "out of memory under 20 MiB", "headroom_limit_bytes": 19 * MIB})
+    assert late.startswith("5 run(s) of 2 step(s) under 19.00 MiB and 1 under 20.00 MiB: out of memory")
     fewer = _stand_in_line({"limit_bytes": 20 * MIB, "runs": 4, "runs_per_limit": 2, "steps": 2, "fits": True,
                             "peak_in_use_bytes": None, "failure": None, "headroom_limit_bytes": 19 * MIB})
-    assert fewer.startswith("2 run(s) of 2 step(s) under 20.00 MiB and 2 under 19.00 MiB: trained")  # (--judge-runs 2)
+    assert fewer.startswith("2 run(s) of 2 step(s) under 19.00 MiB and 2 under 20.00 MiB: trained")  # (--judge-runs 2)
 
 
 def test_a_no_plan_answer_after_turned_down_runs_names_them_and_the_bound(samples):

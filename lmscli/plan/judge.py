@@ -151,12 +151,12 @@ def judge_runs(prepared: Prepared) -> int:
 @timed("judge on the stand-in")
 def stand_in_need(prepared: Prepared, rewritten, device: Device) -> int:
     """The rewritten step run on the stand-in GPU as ``lms verify --gpu-mem`` will run it: under
-    the device's whole memory (in whole MiB), :data:`STAND_IN_JUDGE_RUNS` (or
-    ``prepared.judge_runs``: ``--judge-runs``) fresh runs of
-    :data:`STAND_IN_JUDGE_STEPS` steps, then as many under the limit less half the reserve (at
-    least 1 MiB). When every run fits, the budget (or the peak in use under the limit, if less);
-    when a run fails, the budget plus what it lacked (what it had in use and the request that
-    failed, beyond the limit it ran under; at least 2%). The runs are recorded in the plan
+    the limit less half the reserve (at least 1 MiB less), :data:`STAND_IN_JUDGE_RUNS` (or
+    ``prepared.judge_runs``: ``--judge-runs``) fresh runs of :data:`STAND_IN_JUDGE_STEPS` steps
+    (the variables left unread), then as many under the device's whole memory (in whole MiB).
+    When every run fits, the budget (or the peak in use under the limit, if less); when a run
+    fails, the budget plus what it lacked (what it had in use and the request that failed, beyond
+    the limit it ran under; at least 2%). The runs are recorded in the plan
     (``predicted['stand_in']``).
 
     The room between the budget and the memory (``--reserve``) absorbs the runs' variation: the
@@ -195,17 +195,23 @@ def _stand_in_need(prepared: Prepared, rewritten, device: Device, limit: int, ti
     def runs(under: int):
         timing.step(f"running the rewritten step on the stand-in under {format_size(under)}")
         return stand_in.run(rewritten, prepared.model.fetches, under, batch_size=prepared.batch_size or 1,
-                            runs=judge_runs(prepared), steps=STAND_IN_JUDGE_STEPS, peak=True)
+                            runs=judge_runs(prepared), steps=STAND_IN_JUDGE_STEPS, peak=True,
+                            values=False)
 
+    # Under the tighter limit first: a plan that fails fails there far more often (the limit's runs
+    # are then not needed; a ResNet-50's judge spent half its time on runs that all fitted).
+    headroom = runs(tighter)
+    if not headroom.fits:
+        stand_in.last_verdict = replace(headroom, limit_bytes=limit, headroom_limit_bytes=tighter,
+                                        message=(f"under {format_size(tighter)} ({format_size(limit - tighter)} below "
+                                                 f"the limit, the headroom a plan keeps): {headroom.message}"))
+        return device.budget + max((headroom.need_bytes or 0) - tighter, MIB, limit // 50)
     verdict = runs(limit)
     if not verdict.fits:
+        stand_in.last_verdict = replace(verdict, limit_bytes=limit, runs=verdict.runs + headroom.runs,
+                                        seconds=verdict.seconds + headroom.seconds, headroom_limit_bytes=tighter)
         return device.budget + max((verdict.need_bytes or 0) - limit, MIB, limit // 50)
-    headroom = runs(tighter)
-    failure = (f"under {format_size(tighter)} ({format_size(limit - tighter)} below the limit, the headroom a plan "
-               f"keeps): {headroom.message}") if headroom.message else None
     stand_in.last_verdict = replace(headroom, limit_bytes=limit, runs=verdict.runs + headroom.runs,
                                     seconds=verdict.seconds + headroom.seconds, peak_bytes=verdict.peak_bytes,
-                                    message=failure, headroom_limit_bytes=tighter)
-    if headroom.fits:
-        return min(verdict.peak_bytes or device.budget, device.budget)
-    return device.budget + max((headroom.need_bytes or 0) - tighter, MIB, limit // 50)
+                                    message=None, headroom_limit_bytes=tighter)
+    return min(verdict.peak_bytes or device.budget, device.budget)

@@ -188,6 +188,13 @@ def read_groups(names, variables, cap: int = READ_GROUP_BYTES):
     return [(tuple(n), v) for n, v in groups]
 
 
+def read_cap(limit_bytes: int | None) -> int:
+    """The bytes :func:`read_groups` reads in one run under ``limit_bytes``: a sixteenth of the
+    limit, at least :data:`READ_GROUP_BYTES` (each group is a new graph for the master to prune and
+    place: 1 MiB groups made a ResNet-50's reads 5.6 s of a 10 s run); all at once without a limit."""
+    return max(READ_GROUP_BYTES, limit_bytes // 16) if limit_bytes is not None else 1 << 62
+
+
 def _last_line(path: str) -> str:
     """The log's last line that says something (errors first)."""
     try:
@@ -768,9 +775,13 @@ class StandIn:
             config.graph_options.rewrite_options.disable_meta_optimizer = True
         return tf.compat.v1.Session(pair.target, graph=graph, config=config)
 
-    def _train(self, pair: _Pair, prep: _Prepared, batch_size: int, steps: int, traced: list | None = None) -> StepRun:
+    def _train(self, pair: _Pair, prep: _Prepared, batch_size: int, steps: int, traced: list | None = None,
+               values: bool = True, read_cap: int = READ_GROUP_BYTES) -> StepRun:
         """Initialise the variables in one session, run the steps and read the results in another.
-        ``traced``: a list that receives each step's StepStats (a full trace of it)."""
+        ``traced``: a list that receives each step's StepStats (a full trace of it). ``values=False``
+        leaves the variables unread (a run that only asks whether the steps fit: reading a
+        ResNet-50's 320 variables and slots, group by group, took longer than its two steps); else
+        they are read in groups of at most ``read_cap`` bytes (:func:`read_groups`)."""
         tf = tensorflow()
         g = prep.imported
         options = tf.compat.v1.RunOptions(timeout_in_ms=int(self.timeout_s * 1000))
@@ -797,22 +808,22 @@ class StandIn:
                     if prep.produced:
                         outputs.append({t.name: np.asarray(v) for t, v in zip(prep.produced, out["outputs"])})
                 phase = "reading the variables"
-                values = {}
-                for names, variables in read_groups(g.variable_names, g.variables):
-                    values.update(zip(names, sess.run(variables, options=options)))
+                read = {}
+                for names, variables in read_groups(g.variable_names, g.variables, read_cap) if values else ():
+                    read.update(zip(names, sess.run(variables, options=options)))
         except tf.errors.OpError as exc:
             raise _RunFailed(exc, phase) from None
         placements = {op.name: op.device for op in g.graph.get_operations() if is_lms_node(op.name)}
-        return StepRun(tuple(losses), values, placements, tuple(outputs))
+        return StepRun(tuple(losses), read, placements, tuple(outputs))
 
     def _run_once(self, prep: _Prepared, limit_bytes: int | None, batch_size: int, steps: int,
-                  peak: bool, trace: bool = False, bfc: bool = True) -> _Outcome:
+                  peak: bool, trace: bool = False, bfc: bool = True, values: bool = True) -> _Outcome:
         pair = self._start(limit_bytes, peak, bfc=bfc)
         watch = _Watch(pair)
         watch.start()
         traced: list | None = [] if trace else None
         try:
-            result = self._train(pair, prep, batch_size, steps, traced)
+            result = self._train(pair, prep, batch_size, steps, traced, values, read_cap(limit_bytes))
             watch.stop()
             if watch.oom_line is not None:  # it fitted only by waiting for memory a transfer freed
                 return _Outcome(False, oom_node=watch.oom_node, need_bytes=watch.need_bytes,
@@ -853,11 +864,11 @@ class StandIn:
         raise LmsError(f"the graph failed on the stand-in while {phase}, not for lack of memory: {_error_line(exc)}")
 
     def _verdict(self, prep: _Prepared, limit: int | None, batch_size: int, steps: int, runs: int,
-                 peak: bool) -> StepVerdict:
+                 peak: bool, values: bool = True) -> StepVerdict:
         started = time.monotonic()
         outcomes = []
         for _ in range(runs):
-            outcomes.append(self._run_once(prep, limit, batch_size, steps, peak))
+            outcomes.append(self._run_once(prep, limit, batch_size, steps, peak, values=values))
             if not outcomes[-1].fits:
                 break
         return _summarise(outcomes, limit, time.monotonic() - started)
@@ -865,7 +876,7 @@ class StandIn:
     # -------------------------------------------------------- public API
     @timed("runs on the stand-in")
     def run(self, meta_graph, fetches, limit_bytes: int | None, *, batch_size: int = 1, steps: int = 1,
-            runs: int = 3, loss: str | None = None, peak: bool = False) -> StepVerdict:
+            runs: int = 3, loss: str | None = None, peak: bool = False, values: bool = True) -> StepVerdict:
         """Run ``steps`` training steps of ``fetches`` (op names) under ``limit_bytes`` (rounded down to
         whole MiB; None: no limit, a reference run), ``runs`` times with fresh processes.
 
@@ -874,12 +885,14 @@ class StandIn:
         ``peak=True`` also reads the stand-in allocator's peak bytes in use (whole chunks: under a
         limit it nears the limit, as BFC hands out a whole free chunk when splitting it would leave
         less than the request and less than 128 MiB). Raises :class:`~lmscli.errors.LmsError` when
-        the graph fails for another reason.
+        the graph fails for another reason. ``values=False``: the runs only say whether the steps
+        fit (the variables are not read after them, and ``result.values`` is empty).
         """
         limit = _check_limit(limit_bytes)
         if runs < 1 or steps < 1:
             raise InputError("runs and steps must be at least 1")
-        self.last_verdict = self._verdict(_prepare(meta_graph, fetches, loss), limit, batch_size, steps, runs, peak)
+        self.last_verdict = self._verdict(_prepare(meta_graph, fetches, loss), limit, batch_size, steps, runs, peak,
+                                          values)
         return self.last_verdict
 
     @timed("traced steps on the stand-in")
@@ -899,8 +912,9 @@ class StandIn:
         from lmscli.prove.scratch import from_step_stats
 
         prep = _prepare(meta_graph, fetches, loss)
-        timed = self._run_once(prep, OBSERVE_REGION, batch_size, 2, False, trace=True)
-        sized = self._run_once(prep, None, batch_size, 1, False, trace=True, bfc=False) if timed.fits else timed
+        timed = self._run_once(prep, OBSERVE_REGION, batch_size, 2, False, trace=True, values=False)
+        sized = (self._run_once(prep, None, batch_size, 1, False, trace=True, bfc=False, values=False)
+                 if timed.fits else timed)
         if not (timed.fits and sized.fits) or len(timed.trace) < 2 or not sized.trace:
             failed = sized if timed.fits else timed
             raise LmsError(f"the step does not run on the stand-in even without a limit: {failed.message}")
@@ -946,7 +960,7 @@ class StandIn:
         if hint_bytes is None and lo is not None and hi is not None:
             hint_bytes = (lo + hi) // 2
         if hint_bytes is None:
-            reference = self._verdict(prep, None, batch_size, steps, 1, True)
+            reference = self._verdict(prep, None, batch_size, steps, 1, True, values=False)
             search.runs += 1
             if not reference.fits:
                 raise LmsError(f"the step does not run on the stand-in even without a limit: {reference.message}")
@@ -995,7 +1009,7 @@ class _Search:
     def probe(self, limit: int, runs: int = 1) -> bool:
         timing.step(f"trying {_mib(limit)}" + (f" ({runs} runs)" if runs > 1 else "")
                     + (f"; runs out at {_mib(self.fail)}" if self.fail is not None else ""))
-        verdict = self.standin._verdict(self.prep, limit, self.batch_size, self.steps, runs, False)
+        verdict = self.standin._verdict(self.prep, limit, self.batch_size, self.steps, runs, False, values=False)
         self.probes.append((limit, verdict.fits))
         self.runs += verdict.runs
         if not verdict.fits:

@@ -326,12 +326,12 @@ def _stand_in_line(real: dict) -> str:
     """The stand-in judge's runs in words."""
     limit = format_size(real["limit_bytes"]) if real.get("limit_bytes") else "no limit"
     runs = f"{real['runs']} run(s) of {real['steps']} step(s) under {limit}"
-    if real.get("headroom_limit_bytes"):  # the judge's first runs fitted; the rest ran under its second limit
+    if real.get("headroom_limit_bytes"):  # the judge's runs under its tighter limit first, then under the limit
         from lmscli.plan.judge import STAND_IN_JUDGE_RUNS
 
         first = min(real["runs"], real.get("runs_per_limit", STAND_IN_JUDGE_RUNS))
-        runs = (f"{first} run(s) of {real['steps']} step(s) under {limit} and {real['runs'] - first} under "
-                f"{format_size(real['headroom_limit_bytes'])}")
+        runs = (f"{first} run(s) of {real['steps']} step(s) under {format_size(real['headroom_limit_bytes'])}"
+                + (f" and {real['runs'] - first} under {limit}" if real["runs"] > first else ""))
     if real["fits"]:
         peak = real.get("peak_in_use_bytes")
         return f"{runs}: trained" + (f", allocator peak {format_size(peak)} in use under {limit}" if peak else "")
