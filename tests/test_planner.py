@@ -667,3 +667,41 @@ def test_a_stand_in_plan_stays_within_its_budget_when_its_swap_ins_are_made_to_l
     monkeypatch.setattr(planner, "landed", lambda ctx, swaps: [])
     result = planner.tune(prepared, device, TuneOptions())
     assert result.plan.swaps and result.result.peak_bytes <= device.budget
+
+
+def test_a_reshape_grappler_keeps_once_can_still_be_swapped(tmp_path, stand_in):
+    """QA r47 (a WaveNet): each gated layer convolves its input twice, for the filter and the gate,
+    and ``conv1d`` expands it each time; Grappler keeps one of the two identical ``ExpandDims``,
+    both share the input's buffer, and the removed one was no candidate, so no plan could free
+    the buffer (stuck at 3x the lower bound here, 1.6x on the WaveNet). The removed one is
+    swapped like its twin, and the rewrite trains bit-identically under a limit the original
+    cannot train under."""
+    from lmscli.plan.candidates import candidates
+    from lmscli.prove import realmem
+    from tests.conftest import v1_training_graph
+
+    path = tmp_path / "gated.meta"
+    with v1_training_graph(path) as (tf, v1, graph):
+        h = v1.placeholder(tf.float32, [8, 1024, 32], name="x")
+        for i in range(6):
+            with tf.name_scope(f"l{i}"):
+                f = tf.nn.conv1d(h, v1.get_variable(f"wf{i}", [1, 32, 32]), 1, "VALID")
+                g = tf.nn.conv1d(h, v1.get_variable(f"wg{i}", [1, 32, 32]), 1, "VALID")
+                h = h + tf.tanh(f) * tf.sigmoid(g)
+        graph.loss = tf.reduce_mean(tf.square(h))
+    model = api.load(str(path))
+    prepared = api.prepare(model)
+    view, sched = prepared.view, prepared.schedule
+    removed = {n for n in prepared.fused if view.ops[view.index[n]] == "ExpandDims"}
+    assert len(removed) == 6  # one of each layer's two
+    cands = candidates(view, sched, fused=frozenset(prepared.fused))
+    swappable = {sched.names[sched.tensors[t].producer] for t in cands}
+    assert removed <= swappable
+    result = api.tune(prepared, api.make_device(gpu_mem=10 << 20), TuneOptions(strategy="swap"))
+    assert result.fits and removed & {s.tensor.split(":")[0] for s in result.plan.swaps}
+    rewritten = tmp_path / "rewritten.meta"
+    api.save(model, api.rewrite(prepared, result.plan)[0], str(rewritten))
+    # (a GPU plan: on the stand-in, where swapped tensors stay until their sends run, it needs 19 MiB
+    # and the original 24)
+    proof = realmem.prove_at_limit(model, api.load(str(rewritten)), 21 << 20, runs=1, stand_in=stand_in)
+    assert proof.proven and not proof.original.fits, proof.line()

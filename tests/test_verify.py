@@ -459,3 +459,32 @@ def test_a_loop_graph_is_measured_more_than_once_and_its_spread_said(monkeypatch
     plain = api.load(str(SAMPLES / "mlp.meta"))
     verify._figures(plain, tuple(plain.fetches), None, True, [], "original")
     assert len(calls) == 1
+
+
+def test_an_unseeded_graph_verifies_as_itself_and_its_rewrite(tmp_path):
+    """QA r47: random ops the graph left unseeded (initializers and a dropout without a seed:
+    TensorFlow seeds them anew in every session) made `lms verify` find a graph different from
+    itself. Each gets a seed from its name, the same in both graphs; a rewrite's real change is
+    still caught."""
+    from tests.conftest import v1_training_graph
+
+    path = tmp_path / "unseeded.meta"
+    with v1_training_graph(path) as (tf, v1, graph):
+        x = v1.placeholder(tf.float32, [64, 256], name="x")
+        h = tf.nn.relu(tf.matmul(x, v1.get_variable("w0", [256, 256])))
+        h = tf.nn.dropout(h, rate=0.5)
+        graph.loss = tf.reduce_mean(tf.square(tf.matmul(h, v1.get_variable("w1", [256, 8]))))
+    model = api.load(str(path))
+    assert any(n.op == "RandomUniform" and n.attr["seed"].i == 0 and n.attr["seed2"].i == 0
+               for n in model.graph_def.node)
+    same = _run(path, path, "--no-measure", "--json")
+    assert same.exit_code == 0, same.output
+    out = tmp_path / "rewritten.meta"
+    made = invoke(CliRunner(), "rewrite", path, out, "--swapout-threshold", "1", "--strategy", "tflms", "-q")
+    assert made.exit_code == 0, made.output
+    assert _run(path, out, "--no-measure").exit_code == 0
+    broken = api.load(str(out))
+    swap_in = next(n for n in broken.graph_def.node if "-lms-swapin-" in n.name)
+    swap_in.op = "Neg"
+    api.save(broken, broken.meta_graph, str(tmp_path / "broken.meta"))
+    assert _run(path, tmp_path / "broken.meta", "--no-measure").exit_code == 4

@@ -277,11 +277,19 @@ def loop_entry(view: GraphView, node: int) -> bool:
 # feeds a second tower). Swapping one rewires those consumers, as for any tensor; the optimizer
 # guard checks that Grappler still removes the alias. Not recomputed (see planner._Context.recipes).
 REMOVED_ALIASES = frozenset({"Identity", "StopGradient", "PreventGradient", "Snapshot"})
+# Forwarding ops whose output is input 0's buffer under another shape (the rest of their inputs
+# say which): when Grappler removes one, as a no-op or as a duplicate of a twin reading the same
+# tensor, the buffer its readers hold is still there (QA r47: a WaveNet's dilated convolutions each
+# expand their input twice, for the filter and the gate; Grappler keeps one ExpandDims, and with
+# the other unswappable no plan could free the buffer: stuck at 1.6x the lower bound).
+REMOVED_RESHAPES = frozenset({"Reshape", "ExpandDims", "Squeeze", "EnsureShape"})
 
 
 def removed_alias(view: GraphView, node: int) -> bool:
-    """Is ``node`` (which Grappler removes) a one-input forwarding op whose output may be swapped?"""
-    return view.ops[node] in REMOVED_ALIASES and len(view.data_inputs[node]) == 1
+    """Is ``node`` (which Grappler removes) a forwarding op whose output may be swapped: one of
+    :data:`REMOVED_ALIASES` with one input, or one of :data:`REMOVED_RESHAPES`?"""
+    op = view.ops[node]
+    return (op in REMOVED_ALIASES and len(view.data_inputs[node]) == 1) or op in REMOVED_RESHAPES
 
 
 def boundary(view: GraphView, node: int) -> bool:

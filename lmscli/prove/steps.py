@@ -3,7 +3,8 @@
 The graph is imported into a session with two logical CPUs: the model on ``/device:CPU:1`` (the
 stand-in for the GPU), nodes explicitly placed on a CPU (the swap nodes) on ``/device:CPU:0``.
 Both runs use the same graph seed, the same random feeds for every placeholder and one
-inter-op thread, so any difference in loss or variables is a real difference. Used by the
+inter-op thread, and a random op the graph left unseeded gets a seed from its name in both
+(:func:`seeded`), so any difference in loss or variables is a real difference. Used by the
 identity proof (:mod:`lmscli.prove.verify`), the in-process measurement
 (:mod:`lmscli.prove.measure`) and the stand-in GPU (:mod:`lmscli.prove.standin`).
 """
@@ -289,12 +290,38 @@ def start_value(name: str, shape, dtype) -> np.ndarray:
     return values.astype(dtype.as_numpy_dtype)
 
 
+def seeded(meta):
+    """``meta``, or a copy of it in which each random op the graph left unseeded (``seed`` and
+    ``seed2`` both 0: TensorFlow seeds it anew in every session) has seeds made from its name.
+    The original and its rewrite then draw the same numbers: without it an unseeded graph's
+    initial weights differed from run to run, and `lms verify` found a graph different from
+    itself (QA r47)."""
+    def unseeded(node) -> bool:
+        return ("seed" in node.attr and "seed2" in node.attr and node.attr["seed"].i == 0
+                and node.attr["seed2"].i == 0)
+
+    def nodes(m):
+        yield from m.graph_def.node
+        for function in m.graph_def.library.function:
+            yield from function.node_def
+
+    if not any(unseeded(node) for node in nodes(meta)):
+        return meta
+    out = type(meta)()
+    out.CopyFrom(meta)
+    for node in nodes(out):
+        if unseeded(node):
+            digest = zlib.crc32(f"seed/{node.name}".encode())
+            node.attr["seed"].i, node.attr["seed2"].i = 1 + digest % 65521, 1 + digest // 65521 % 65521
+    return out
+
+
 def import_graph(meta, fetches, loss: str | None = None) -> Imported:
     tf = tensorflow()
     graph = tf.Graph()
     with graph.as_default():
         tf.compat.v1.set_random_seed(0)
-        tf.compat.v1.train.import_meta_graph(meta, clear_devices=False)
+        tf.compat.v1.train.import_meta_graph(seeded(meta), clear_devices=False)
         variables = sorted(tf.compat.v1.global_variables(), key=lambda v: v.name)
         known = {v.op.name for v in variables} | {getattr(v, "handle", v).op.name for v in variables}
         bare = _bare_variables(tf, graph, known)
