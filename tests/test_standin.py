@@ -258,3 +258,23 @@ def test_an_op_without_a_cpu_kernel_raises_one_line():
     with pytest.raises(LmsError) as info, StandIn() as s:
         s.run(meta, ["train"], 100 * MIB)
     assert "\n" not in str(info.value) and "_CopyFromHostToGpu_NotAnOp" in str(info.value)
+
+
+def test_a_dilated_convolution_the_stand_in_cannot_run_is_refused_before_any_run(tmp_path):
+    """QA r47: TensorFlow's CPU kernels without oneDNN (the stand-in's) have no dilated Conv2D
+    gradients; a WaveNet with ``conv1d(dilations=...)`` ran 18 s before failing in one. It is
+    refused at once, with the op and what to do."""
+    from lmscli import api
+    from lmscli.errors import InputError
+    from tests.conftest import v1_training_graph
+
+    path = tmp_path / "dilated.meta"
+    with v1_training_graph(path) as (tf, v1, graph):
+        x = v1.placeholder(tf.float32, [2, 64, 8], name="x")
+        y = tf.nn.conv1d(x, v1.get_variable("w", [2, 8, 8]), 1, "VALID", dilations=2)
+        graph.loss = tf.reduce_mean(tf.square(y))
+    model = api.load(str(path))
+    with StandIn() as fresh:
+        with pytest.raises(InputError, match=r"cannot run .*Conv2DBackprop\w+ with dilation rates \[1, 1, 2, 1\]"):
+            fresh.run(model.meta_graph, model.fetches, None, runs=1)
+        assert not fresh.pids  # (refused before any process started)

@@ -480,7 +480,30 @@ def place(meta_graph):
             on_host = _explicit_cpu(node.device)
         node.device = HOST_DEVICE if on_host else STANDIN_DEVICE
     _check_cpu_kernels(meta.graph_def)
+    _check_dilations(meta.graph_def)
     return scratchless(meta)
+
+
+# Ops whose CPU kernels (oneDNN off, as on the stand-in) refuse dilation rates above 1; a GPU's
+# and oneDNN's run them (a dilated Conv2D itself runs, its gradients do not).
+UNDILATED_ON_CPU = frozenset({"Conv2DBackpropFilter", "Conv2DBackpropFilterV2", "Conv2DBackpropInput",
+                              "Conv2DBackpropInputV2", "Conv3D", "Conv3DBackpropFilter", "Conv3DBackpropFilterV2",
+                              "Conv3DBackpropInput", "Conv3DBackpropInputV2"})
+
+
+def _check_dilations(graph_def) -> None:
+    """Refuse, before any run, a graph the stand-in's CPU kernels cannot run for its dilated
+    convolutions (QA r47: a WaveNet with ``conv1d(dilations=...)`` ran 18 s, then failed in the
+    gradient's first kernel)."""
+    for node in graph_def.node:
+        if (node.op in UNDILATED_ON_CPU and node.device == STANDIN_DEVICE
+                and any(rate > 1 for rate in node.attr["dilations"].list.i)):
+            raise InputError(f"the stand-in cannot run {node.name} ({node.op} with dilation rates "
+                             f"{list(node.attr['dilations'].list.i)}): TensorFlow's CPU kernels, which it runs "
+                             "without oneDNN, have neither dilated 3D convolutions nor dilated convolution "
+                             "gradients (a GPU's have both); `lms verify` without --gpu-mem proves the rewrite's "
+                             "results in one process, and `tf.nn.convolution` with dilation_rate builds dilated "
+                             "convolutions the stand-in can run")
 
 
 # The label of TensorFlow's CPU convolution gradient kernels that use Eigen's tensor contractions
