@@ -502,8 +502,8 @@ def _check_dilations(graph_def) -> None:
                              f"{list(node.attr['dilations'].list.i)}): TensorFlow's CPU kernels, which it runs "
                              "without oneDNN, have neither dilated 3D convolutions nor dilated convolution "
                              "gradients (a GPU's have both); `lms verify` without --gpu-mem proves the rewrite's "
-                             "results in one process, and `tf.nn.convolution` with dilation_rate builds dilated "
-                             "convolutions the stand-in can run")
+                             "results in one process, and `tf.compat.v1.nn.convolution(dilation_rate=...)` and "
+                             "`tf.nn.atrous_conv2d` build dilated convolutions the stand-in can run")
 
 
 # The label of TensorFlow's CPU convolution gradient kernels that use Eigen's tensor contractions
