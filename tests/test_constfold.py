@@ -4,10 +4,12 @@ runs holds."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from lmscli import api
 from lmscli.graph.constfold import MAX_CONSTANT_BYTES, runtime_constants
+from lmscli.analysis import run_graph
 from lmscli.graph.graphview import GraphView, TensorInfo
 from tests.conftest import assert_within_fidelity, graph_def_from_nodes, v1_training_graph
 
@@ -108,5 +110,49 @@ def test_the_runtimes_constant_is_in_the_predicted_need(mean_loss):
     from lmscli.prove.standin import StandIn
 
     model = api.load(str(mean_loss))
+    with StandIn() as stand_in:
+        assert_within_fidelity(stand_in, model, realmem.predict(model, stand_in=stand_in)[0].predicted_standin_bytes)
+
+
+@pytest.fixture(scope="module")
+def idle_and_repeated(tmp_path_factory):
+    """A step with a 4 MiB variable it never reads (another signature's, say), and a segment
+    reduction whose gradient makes identical 2 MiB ``zeros_like`` Fills from constants."""
+    path = tmp_path_factory.mktemp("idle") / "idle.meta"
+    with v1_training_graph(path) as (tf, v1, graph):
+        v1.get_variable("unused", [1024, 1024], initializer=v1.zeros_initializer())
+        x = v1.placeholder(tf.float32, [4096, 128], name="x")
+        w = v1.get_variable("w", [128, 128], initializer=v1.glorot_uniform_initializer(seed=1))
+        h = tf.matmul(x, w)
+        ids = tf.constant(np.arange(4096) % 64, dtype=tf.int32)
+        graph.loss = (tf.reduce_sum(tf.math.unsorted_segment_max(h, ids, 64))
+                      + tf.reduce_sum(tf.math.unsorted_segment_max(h * 2.0, ids, 64)))
+    return path
+
+
+def test_idle_variables_are_resident_and_equal_constants_held_once(idle_and_repeated):
+    """QA r47: a TensorFlow 2 SavedModel's other signatures held 6.5 MiB of variables the step does
+    not read, which a session still initializes (predicted 24 MiB, needed 30); two segment
+    reductions' gradients made four equal 8 MiB ``zeros_like`` constants, of which Grappler keeps
+    one (the graph as written was counted 36 MiB of constants, its lower bound above the peak of
+    the graph TensorFlow runs)."""
+    from lmscli.graph.constfold import repeated
+
+    prepared = api.prepare(api.load(str(idle_and_repeated)))
+    view = prepared.view
+    assert prepared.schedule.variable_bytes == (1024 * 1024 + 128 * 128) * 4  # the unused one too
+    fills = {(i, o) for i, o in view.runtime_constants if view.ops[i] == "Fill" and view.outputs(i)[o].num_bytes == 2 << 20}
+    again = repeated(view, view.runtime_constants)
+    assert len(fills) >= 2 and len(fills - again) == 1, (len(fills), len(again))
+    seen = run_graph(prepared.model, prepared.model.meta_graph, prepared.optimized)
+    assert seen.schedule.variable_bytes == prepared.schedule.variable_bytes  # (Grappler prunes the idle one)
+
+
+@pytest.mark.slow
+def test_idle_variables_and_held_constants_are_in_the_predicted_need(idle_and_repeated):
+    from lmscli.prove import realmem
+    from lmscli.prove.standin import StandIn
+
+    model = api.load(str(idle_and_repeated))
     with StandIn() as stand_in:
         assert_within_fidelity(stand_in, model, realmem.predict(model, stand_in=stand_in)[0].predicted_standin_bytes)

@@ -83,3 +83,38 @@ def _known_shape(view: GraphView, src: int, output: int) -> bool:
     infos = view.outputs(src)
     info = infos[output] if output < len(infos) else None
     return info is not None and info.shape is not None and all(d is not None for d in info.shape)
+
+
+def repeated(view: GraphView, folded) -> frozenset[tuple[int, int]]:
+    """The runtime constants of ``folded`` that repeat an earlier one: the same op with the same
+    attributes on the same device, reading the same values. Grappler's common-subexpression pass
+    keeps one of each such set before the runtime folds it, so one buffer is resident, not one per
+    copy (QA r47: ``tf.gradients`` of two segment reductions makes four identical 8 MiB
+    ``zeros_like`` Fills; the graph as written was counted 36 MiB of constants and a lower bound
+    above the peak of the graph TensorFlow runs)::
+
+        Fill(zeros_like_1/shape, 0)   Fill(zeros_like_2/shape, 0)   (equal shapes)
+          --> one Fill, one 8 MiB constant
+    """
+    keys: dict = {}
+
+    def key(i: int):
+        if i not in keys:
+            node = view.node_defs[i]
+            attrs = tuple(sorted((name, value.SerializeToString(deterministic=True))
+                                 for name, value in node.attr.items() if not name.startswith("_")))
+            keys[i] = None  # (a cycle, as through a loop, has no key)
+            inputs = tuple((key(src), out) for src, out in view.data_inputs[i])
+            keys[i] = None if any(k is None for k, _out in inputs) else (view.ops[i], view.gpus[i], attrs, inputs)
+        return keys[i]
+
+    seen: set = set()
+    out = set()
+    for i, output in sorted(folded):
+        k = key(i)
+        if k is None:
+            continue
+        if (k, output) in seen:
+            out.add((i, output))
+        seen.add((k, output))
+    return frozenset(out)

@@ -396,8 +396,19 @@ def build_schedules(view: GraphView, fetches, flops: float = 15.7e12, mem_bandwi
     if trips:  # a loop body is scheduled once but runs its trip count times (the order is unchanged)
         cost = {i: c * trips.get(view.frames[i], 1) if view.frames[i] else c for i, c in cost.items()}
     devices = sorted({g for g in gpu_of.values() if g is not None}) or [DEFAULT_GPU]
-    return tuple(_describe(view, order, cost, [gpu_of[i] == device for i in order], device).with_memory_model(memory_model)
+    return tuple(_describe(view, order, cost, [gpu_of[i] == device for i in order], device,
+                           _idle_variable_bytes(view, active, device)).with_memory_model(memory_model)
                  for device in devices)
+
+
+def _idle_variable_bytes(view: GraphView, active, device: str) -> int:
+    """The bytes of the variables on ``device`` that the step does not read. They are resident all
+    the same: a session initializes or restores every variable of the graph, where it is placed
+    (QA r47: a TensorFlow 2 SavedModel's other signatures hold 6.5 MiB of variables of their own;
+    the step was predicted 24 MiB and needed 30, 31 MiB in use)."""
+    active = set(active)
+    return sum(variable_bytes(view, i) for i in range(len(view.names))
+               if i not in active and view.ops[i] in VARIABLE_OPS and (view.gpus[i] or DEFAULT_GPU) == device)
 
 
 STORAGE_OUTPUT = -1  # the output index of the tensor standing for what a loop keeps across iterations
@@ -507,12 +518,14 @@ def _add_storage(tensors: list, inputs: list, pos: int, kept, position: dict, n:
         inputs[reader].append(tid)
 
 
-def _describe(view: GraphView, order: list[int], cost: dict, on_gpu: list[bool], device: str) -> Schedule:
-    """The schedule of ``order`` as seen by one GPU: ``on_gpu`` marks its ops."""
+def _describe(view: GraphView, order: list[int], cost: dict, on_gpu: list[bool], device: str,
+              idle_variable_bytes: int = 0) -> Schedule:
+    """The schedule of ``order`` as seen by one GPU: ``on_gpu`` marks its ops; the variables on it
+    that the step does not read hold ``idle_variable_bytes`` besides."""
     position = {node: pos for pos, node in enumerate(order)}
     on_gpu = tuple(on_gpu)
-    var_bytes = sum(variable_bytes(view, i) for pos, i in enumerate(order)
-                    if view.ops[i] in VARIABLE_OPS and on_gpu[pos])
+    var_bytes = idle_variable_bytes + sum(variable_bytes(view, i) for pos, i in enumerate(order)
+                                          if view.ops[i] in VARIABLE_OPS and on_gpu[pos])
     const_bytes = 0
     folded = view.runtime_constants
     tensors: list[SimTensor] = []
@@ -528,6 +541,10 @@ def _describe(view: GraphView, order: list[int], cost: dict, on_gpu: list[bool],
             if view.frames[i] and on_gpu[pos]:
                 loop_end[view.outermost(view.frames[i])] = pos
     replaced = _replaced_constants(view, position, folded) if folded else frozenset()
+    if folded:
+        from lmscli.graph.constfold import repeated
+
+        repeats = repeated(view, folded)
     for pos, i in enumerate(order):
         if view.ops[i] in VARIABLE_OPS or i in replaced:
             continue
@@ -555,9 +572,9 @@ def _describe(view: GraphView, order: list[int], cost: dict, on_gpu: list[bool],
             if is_const:
                 const_bytes += size
                 continue
-            if (i, output) in folded and on_gpu[pos]:  # the runtime's constant: resident, and what
-                const_bytes += size  # the op still makes each step is read by none
-                readers = ()
+            if (i, output) in folded and on_gpu[pos]:  # the runtime's constant: resident (once for
+                const_bytes += 0 if (i, output) in repeats else size  # equal copies), and what the op
+                readers = ()  # still makes each step is read by none
             tid = len(tensors)
             tensors.append(SimTensor(tid, pos, output, size, readers))
             for reader in readers:
