@@ -162,6 +162,7 @@ def verify(original, rewritten, steps, batch_size, fetch, loss, no_measure, tf_o
         model_a = api.load(original, fetch=fetches)
         model_b = api.load(rewritten, fetch=list(model_a.fetches))
         batch_size = rewrite_batch_size(model_a.meta_graph, model_b.meta_graph, batch_size)
+    _integer_note(model_a)
     if gpu_mem is not None:
         with progress.phase("proving on the stand-in GPU"):
             _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, not no_tf_optimize,
@@ -265,6 +266,7 @@ def measure(graphs, batch_size, fetch, runs, no_tf_optimize, as_json, no_color):
     for other in models[1:]:
         batch_size = rewrite_batch_size(models[0].meta_graph, other.meta_graph, batch_size)
     batch_size = _run_batch(models, batch_size)
+    _integer_note(models[0])
     with progress.phase("measuring on the stand-in GPU"):
         needs = realmem.measure_need(models, batch_size=batch_size, runs=runs, optimize=not no_tf_optimize)
     if as_json:
@@ -283,6 +285,19 @@ def _run_batch(models, batch_size):
         click.echo(f"note: {os.path.basename(models[0].path)} has an unknown batch dimension: its steps run, and are "
                    f"predicted, at batch {chosen} (--batch-size N for another)", err=True)
     return chosen
+
+
+def _integer_note(model) -> None:
+    """Say on stderr which integer placeholders are fed 0 and 1 (no size they index was found):
+    QA r47, a GRU's sequence lengths, so its loop ran once and its need was measured at 11 MiB of
+    37 with no word."""
+    from lmscli.prove.steps import import_graph, unbounded_integers
+
+    names = unbounded_integers(import_graph(model.meta_graph, list(model.fetches)).placeholders)
+    if names:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        click.echo(f"note: integer placeholder(s) {shown} are fed 0 and 1 (lms found no size they index): "
+                   "a loop or a count they bound runs at most once, and the figures are that step's", err=True)
 
 
 def _load_like(path: str, first, fetches):

@@ -488,3 +488,35 @@ def test_an_unseeded_graph_verifies_as_itself_and_its_rewrite(tmp_path):
     swap_in.op = "Neg"
     api.save(broken, broken.meta_graph, str(tmp_path / "broken.meta"))
     assert _run(path, tmp_path / "broken.meta", "--no-measure").exit_code == 4
+
+
+def test_integer_feeds_cover_the_sizes_they_index(tmp_path):
+    """QA r47: every integer placeholder was fed 0 or 1, so an embedding's sparse gradients were
+    measured at two rows, and a loop bounded by a sequence length ran once, with no word. Ids,
+    labels and segment ids are fed over the size they index (the smallest, when several); what
+    indexes nothing known is fed 0 and 1 as before, and `lms verify` and `lms measure` say so."""
+    from lmscli.prove.steps import feeds, import_graph, integer_bounds, unbounded_integers
+    from tests.conftest import v1_training_graph
+
+    path = tmp_path / "ids.meta"
+    with v1_training_graph(path) as (tf, v1, graph):
+        ids = v1.placeholder(tf.int32, [256], name="ids")
+        labels = v1.placeholder(tf.int64, [256], name="labels")
+        lengths = v1.placeholder(tf.int32, [256], name="lengths")
+        table = v1.get_variable("table", [1000, 16], initializer=v1.glorot_uniform_initializer(seed=1))
+        rows = tf.nn.embedding_lookup(table, tf.identity(ids))
+        rows = tf.math.unsorted_segment_sum(rows, ids % 256, 256)  # (read through a Mod: no bound from it)
+        logits = tf.matmul(rows, v1.get_variable("w", [16, 10], initializer=v1.glorot_uniform_initializer(seed=2)))
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+        graph.loss = tf.reduce_mean(xent) + tf.cast(tf.reduce_max(lengths), tf.float32) * 0.0
+    model = api.load(str(path))
+    imported = import_graph(model.meta_graph, list(model.fetches))
+    by_name = {op.name: op for op in imported.placeholders}
+    assert integer_bounds(by_name["ids"]) == 1000 and integer_bounds(by_name["labels"]) == 10
+    assert integer_bounds(by_name["lengths"]) is None and unbounded_integers(imported.placeholders) == ["lengths"]
+    fed = {t.op.name: v for t, v in feeds(imported.placeholders, 1, 0).items()}
+    assert fed["ids"].max() > 100 and fed["ids"].max() < 1000 and set(fed["labels"]) == set(range(10))
+    assert set(fed["lengths"]) == {0, 1}
+    result = _run(path, path, "--no-measure")
+    assert result.exit_code == 0, result.output
+    assert "note: integer placeholder(s) lengths are fed 0 and 1" in result.stderr

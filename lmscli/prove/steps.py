@@ -198,14 +198,75 @@ def session_config(optimize: bool = True):
     return config
 
 
-def _feed_value(name: str, shape, dtype, batch_size: int, step: int):
+def _feed_value(name: str, shape, dtype, batch_size: int, step: int, bound: int | None = None):
     rng = np.random.default_rng(zlib.crc32(f"{name}/{step}".encode()))
     dims = [batch_size if d is None else d for d in shape]
     if dtype.is_bool:
         return rng.integers(0, 2, size=dims).astype(bool)
     if dtype.is_integer:
-        return rng.integers(0, 2, size=dims).astype(dtype.as_numpy_dtype)
+        return rng.integers(0, bound or 2, size=dims).astype(dtype.as_numpy_dtype)
     return rng.standard_normal(size=dims).astype(dtype.as_numpy_dtype)
+
+
+# Ops through which an integer feed reaches its reader unchanged in value.
+_PASSING = frozenset({"Identity", "Reshape", "ExpandDims", "Squeeze", "StridedSlice", "Slice", "Cast", "Enter",
+                      "Switch", "Merge", "Transpose", "ConcatV2", "Pack", "Tile", "Snapshot", "StopGradient"})
+
+
+def _static(tensor) -> int | None:
+    """A scalar tensor's value when it is a constant (a depth, a segment count, an axis)."""
+    from tensorflow.python.framework import tensor_util
+
+    try:
+        value = tensor_util.constant_value(tensor)
+    except Exception:  # noqa: BLE001 - no static value is all it can mean
+        return None
+    return int(value) if value is not None and np.ndim(value) == 0 else None
+
+
+def _index_bound(op, port: int) -> int | None:
+    """The exclusive upper bound on the values input ``port`` of ``op`` may hold, when it is an
+    index into something of static size: a gather's indices, a sparse label, a one-hot index, a
+    segment id."""
+    inputs = op.inputs
+    if op.type in ("GatherV2", "Gather") and port == 1:
+        axis = _static(inputs[2]) if op.type == "GatherV2" else 0
+        shape = inputs[0].shape
+        if axis is not None and shape.rank is not None:
+            return shape[axis]
+    elif op.type == "ResourceGather" and port == 1:
+        handle = inputs[0].op
+        if handle.type == "VarHandleOp":
+            dims = handle.get_attr("shape").dim
+            return dims[op.get_attr("batch_dims")].size if dims else None
+    elif op.type == "SparseSoftmaxCrossEntropyWithLogits" and port == 1:
+        return inputs[0].shape[-1] if inputs[0].shape.rank else None
+    elif op.type == "OneHot" and port == 0:
+        return _static(inputs[1])
+    elif op.type.startswith("UnsortedSegment") and port == 1:
+        return _static(inputs[2])
+    return None
+
+
+def integer_bounds(placeholder) -> int | None:
+    """The values an integer placeholder is fed: ``[0, bound)`` where ``bound`` is the smallest size
+    it indexes (through ops that pass its values on), else None (fed 0 and 1). QA r47: every id
+    was 0 or 1, so an embedding's sparse gradients were measured at two rows instead of the
+    batch's, with no word."""
+    bounds, seen, todo = [], set(), [placeholder.outputs[0]]
+    while todo:
+        tensor = todo.pop()
+        for consumer in tensor.consumers():
+            for port, t in enumerate(consumer.inputs):
+                if t is not tensor or (consumer.name, port) in seen:
+                    continue
+                seen.add((consumer.name, port))
+                bound = _index_bound(consumer, port)
+                if bound is not None and bound > 0:
+                    bounds.append(int(bound))
+                elif consumer.type in _PASSING:
+                    todo.extend(consumer.outputs[:1])
+    return min(bounds) if bounds else None
 
 
 def rewrite_batch_size(original, rewritten, batch_size: int | None) -> int | None:
@@ -230,14 +291,23 @@ def rewrite_batch_size(original, rewritten, batch_size: int | None) -> int | Non
 
 
 def feeds(placeholders, batch_size: int, step: int) -> dict:
-    """The same random values for a placeholder name and step in every graph."""
+    """The same random values for a placeholder name and step in every graph (an integer one in
+    the range it indexes, :func:`integer_bounds`)."""
     feed = {}
     for op in placeholders:
         t = op.outputs[0]
         if t.shape.rank is None or not t.dtype.is_numpy_compatible or t.dtype.name == "string":
             continue  # (a SavedModel's checkpoint path, for one, is no input of the step)
-        feed[t] = _feed_value(op.name, t.shape.as_list(), t.dtype, batch_size, step)
+        bound = integer_bounds(op) if t.dtype.is_integer else None
+        feed[t] = _feed_value(op.name, t.shape.as_list(), t.dtype, batch_size, step, bound)
     return feed
+
+
+def unbounded_integers(placeholders) -> list[str]:
+    """The integer placeholders fed 0 and 1 for want of a size they index (a sequence length, a
+    count): a loop they bound runs at most once, and a figure measured with them is that step's."""
+    return sorted(op.name for op in placeholders if op.outputs[0].dtype.is_integer
+                  and op.outputs[0].shape.rank is not None and integer_bounds(op) is None)
 
 
 @dataclass
