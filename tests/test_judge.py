@@ -75,6 +75,23 @@ def test_time_limit_settles_before_another_round_of_real_runs(residual_step, mon
     assert result.fits and len(rounds) == 2  # (without the limit, the swap planner's search runs a third)
 
 
+def test_time_limit_passed_before_the_stand_ins_first_runs_is_no_plan(residual_step, monkeypatch):
+    """QA r47: `rewrite --stand-in --time-limit 5` answered after 68 s with a plan, its rounds of
+    real runs all started after the limit. With no plan judged by then it is a no-plan answer
+    (exit 3, as the README says), and no run starts."""
+    import time
+
+    from lmscli import timing
+    from lmscli.device import STAND_IN_LINK
+    from lmscli.plan import judge
+
+    prepared, limit = residual_step
+    monkeypatch.setattr(judge, "stand_in_need", lambda *args: pytest.fail("a run started past the limit"))
+    with timing.Clock(deadline=time.monotonic() - 1):
+        with pytest.raises(api.NoFitError, match="no plan was judged on the stand-in within --time-limit"):
+            api.tune(prepared, api.make_device(gpu_mem=limit, link=STAND_IN_LINK))
+
+
 @pytest.mark.slow
 def test_a_plan_the_allocator_model_finds_no_room_for_is_planned_for_more(stand_in, monkeypatch):
     """The planner counts the bytes in use; the stand-in's allocator can need more for them, the

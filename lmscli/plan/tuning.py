@@ -322,6 +322,16 @@ def _checked_tune(prepared: Prepared, device: Device, options: TuneOptions, chec
             if best is not result:
                 result = best
                 meta, _ = emit(prepared, result.plan, host_device=host_device, force=True)
+        elif (executor and not manual and len(prepared.schedules) <= 1 and not search.found
+              and prepared.stand_in is not None and timing.out_of_time()):
+            # --time-limit passed before any plan was judged: no fitting plan by then, exit 3
+            # (QA r47: with --time-limit 5 the stand-in's first rounds of runs started after it,
+            # and the command answered after 68 s).
+            clock = timing.current()
+            raise NoFitError(f"no plan was judged on the stand-in within --time-limit: "
+                             f"{clock.elapsed() if clock else 0.0:.0f} s had passed before the first plan's runs (the "
+                             "traced steps and each round of real runs take seconds); give more time",
+                             budget_bytes=device.budget)
         elif (executor and not manual and len(prepared.schedules) <= 1
                 and (prepared.run_peak_bytes is not None or prepared.stand_in is not None)):
             # The judge: the executor model on the graph the Session runs (Grappler-optimized).
