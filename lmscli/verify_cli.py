@@ -75,7 +75,8 @@ def _render_limit(console, proof, predictions) -> None:
 
     def verdict(v):
         text = "trains" if v.fits else "[red]out of memory[/]"
-        return text + (f" ({v.failures}/{v.runs} runs OOM)" if v.varies else f" ({v.runs} runs)")
+        runs = "run" if v.runs == 1 else "runs"
+        return text + (f" ({v.failures}/{v.runs} {runs} OOM)" if v.varies else f" ({v.runs} {runs})")
 
     table.add_row("result", verdict(proof.original), verdict(proof.rewritten))
     a, b = predictions
@@ -344,7 +345,8 @@ def _render_needs(console, needs) -> None:
 
     folder, names = _short_paths([n.path for n in needs])
     table = Table(title="Smallest limit under which one step runs (stand-in GPU)", title_justify="left",
-                  caption=f"graphs in {folder}" if folder else None, caption_justify="left", pad_edge=False)
+                  caption=f"graphs in the folder {folder}" if folder else None, caption_justify="left",
+                  pad_edge=False)
     for column in ("graph", "measured", "predicted (GPU)", "predicted here", "vs measured", "Grappler"):
         # (a long name folds, and keeps room enough to be read at 80 columns)
         table.add_column(column, justify="left" if column == "graph" else "right",
