@@ -366,9 +366,9 @@ def seeded(meta):
     The original and its rewrite then draw the same numbers: without it an unseeded graph's
     initial weights differed from run to run, and `lms verify` found a graph different from
     itself (QA r47)."""
-    def unseeded(node) -> bool:
-        return ("seed" in node.attr and "seed2" in node.attr and node.attr["seed"].i == 0
-                and node.attr["seed2"].i == 0)
+    def unseeded(node) -> bool:  # (not a function's attribute placeholder, "$seed")
+        return all(key in node.attr and node.attr[key].WhichOneof("value") in ("i", None) and node.attr[key].i == 0
+                   for key in ("seed", "seed2"))
 
     def nodes(m):
         yield from m.graph_def.node
