@@ -86,7 +86,8 @@ def _known_shape(view: GraphView, src: int, output: int) -> bool:
 
 
 def repeated(view: GraphView, folded) -> frozenset[tuple[int, int]]:
-    """The runtime constants of ``folded`` that repeat an earlier one: the same op with the same
+    """The runtime constants of ``folded`` (those of one step: Grappler prunes the others) that
+    repeat an earlier one: the same op with the same
     attributes on the same device, reading the same values. Grappler's common-subexpression pass
     keeps one of each such set before the runtime folds it, so one buffer is resident, not one per
     copy (QA r47: ``tf.gradients`` of two segment reductions makes four identical 8 MiB

@@ -544,7 +544,7 @@ def _describe(view: GraphView, order: list[int], cost: dict, on_gpu: list[bool],
     if folded:
         from lmscli.graph.constfold import repeated
 
-        repeats = repeated(view, folded)
+        repeats = repeated(view, {(i, out) for i, out in folded if i in position})  # (the step's own)
     for pos, i in enumerate(order):
         if view.ops[i] in VARIABLE_OPS or i in replaced:
             continue
