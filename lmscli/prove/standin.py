@@ -799,12 +799,12 @@ class StandIn:
         return tf.compat.v1.Session(pair.target, graph=graph, config=config)
 
     def _train(self, pair: _Pair, prep: _Prepared, batch_size: int, steps: int, traced: list | None = None,
-               values: bool = True, read_cap: int = READ_GROUP_BYTES) -> StepRun:
+               values: bool = True, group_bytes: int = READ_GROUP_BYTES) -> StepRun:
         """Initialise the variables in one session, run the steps and read the results in another.
         ``traced``: a list that receives each step's StepStats (a full trace of it). ``values=False``
         leaves the variables unread (a run that only asks whether the steps fit: reading a
         ResNet-50's 320 variables and slots, group by group, took longer than its two steps); else
-        they are read in groups of at most ``read_cap`` bytes (:func:`read_groups`)."""
+        they are read in groups of at most ``group_bytes`` bytes (:func:`read_groups`)."""
         tf = tensorflow()
         g = prep.imported
         options = tf.compat.v1.RunOptions(timeout_in_ms=int(self.timeout_s * 1000))
@@ -832,7 +832,7 @@ class StandIn:
                         outputs.append({t.name: np.asarray(v) for t, v in zip(prep.produced, out["outputs"])})
                 phase = "reading the variables"
                 read = {}
-                for names, variables in read_groups(g.variable_names, g.variables, read_cap) if values else ():
+                for names, variables in read_groups(g.variable_names, g.variables, group_bytes) if values else ():
                     read.update(zip(names, sess.run(variables, options=options)))
         except tf.errors.OpError as exc:
             raise _RunFailed(exc, phase) from None
