@@ -198,6 +198,9 @@ def _stand_in_need(prepared: Prepared, rewritten, device: Device, limit: int, ti
                             runs=judge_runs(prepared), steps=STAND_IN_JUDGE_STEPS, peak=True,
                             values=False)
 
+    def lacked(failed, under: int) -> int:  # the budget plus what a failed run lacked (at least 2%)
+        return device.budget + max((failed.need_bytes or 0) - under, MIB, limit // 50)
+
     # Under the tighter limit first: a plan that fails fails there far more often (the limit's runs
     # are then not needed; a ResNet-50's judge spent half its time on runs that all fitted).
     headroom = runs(tighter)
@@ -205,13 +208,8 @@ def _stand_in_need(prepared: Prepared, rewritten, device: Device, limit: int, ti
         stand_in.last_verdict = replace(headroom, limit_bytes=limit, headroom_limit_bytes=tighter,
                                         message=(f"under {format_size(tighter)} ({format_size(limit - tighter)} below "
                                                  f"the limit, the headroom a plan keeps): {headroom.message}"))
-        return device.budget + max((headroom.need_bytes or 0) - tighter, MIB, limit // 50)
-    verdict = runs(limit)
-    if not verdict.fits:
-        stand_in.last_verdict = replace(verdict, limit_bytes=limit, runs=verdict.runs + headroom.runs,
-                                        seconds=verdict.seconds + headroom.seconds, headroom_limit_bytes=tighter)
-        return device.budget + max((verdict.need_bytes or 0) - limit, MIB, limit // 50)
-    stand_in.last_verdict = replace(headroom, limit_bytes=limit, runs=verdict.runs + headroom.runs,
-                                    seconds=verdict.seconds + headroom.seconds, peak_bytes=verdict.peak_bytes,
-                                    message=None, headroom_limit_bytes=tighter)
-    return min(verdict.peak_bytes or device.budget, device.budget)
+        return lacked(headroom, tighter)
+    verdict = runs(limit)  # recorded as one verdict at the limit, of both sets of runs
+    stand_in.last_verdict = replace(verdict, limit_bytes=limit, headroom_limit_bytes=tighter,
+                                    runs=verdict.runs + headroom.runs, seconds=verdict.seconds + headroom.seconds)
+    return min(verdict.peak_bytes or device.budget, device.budget) if verdict.fits else lacked(verdict, limit)
