@@ -85,10 +85,15 @@ def _known_shape(view: GraphView, src: int, output: int) -> bool:
     return info is not None and info.shape is not None and all(d is not None for d in info.shape)
 
 
+# repeated() compares Consts up to this size by value; a larger one is its own (counted apart, so
+# never less than the runtime holds), and its value is not serialized each time a schedule is built.
+KEYED_CONSTANT_BYTES = 4 << 10
+
+
 def repeated(view: GraphView, folded) -> frozenset[tuple[int, int]]:
     """The runtime constants of ``folded`` (those of one step: Grappler prunes the others) that
-    repeat an earlier one: the same op with the same
-    attributes on the same device, reading the same values. Grappler's common-subexpression pass
+    repeat an earlier one: the same op with the same attributes on the same device, reading the
+    same values (:data:`KEYED_CONSTANT_BYTES`). Grappler's common-subexpression pass
     keeps one of each such set before the runtime folds it, so one buffer is resident, not one per
     copy (QA r47: ``tf.gradients`` of two segment reductions makes four identical 8 MiB
     ``zeros_like`` Fills; the graph as written was counted 36 MiB of constants and a lower bound
@@ -100,6 +105,9 @@ def repeated(view: GraphView, folded) -> frozenset[tuple[int, int]]:
     keys: dict = {}
 
     def key(i: int):
+        if i not in keys and view.ops[i] in CONSTANT_OPS and any(
+                (info.num_bytes or 0) > KEYED_CONSTANT_BYTES for info in view.outputs(i)):
+            keys[i] = ("node", i)
         if i not in keys:
             node = view.node_defs[i]
             attrs = tuple(sorted((name, value.SerializeToString(deterministic=True))
