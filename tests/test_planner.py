@@ -704,9 +704,9 @@ def test_a_reshape_grappler_keeps_once_can_still_be_swapped(tmp_path, stand_in):
     from lmscli.device import STAND_IN_LINK
 
     judged = api.for_stand_in(prepared, stand_in, judge_runs=2)
-    result = api.tune(judged, api.make_device(gpu_mem=12 << 20, link=STAND_IN_LINK), TuneOptions(strategy="swap"))
+    result = api.tune(judged, api.make_device(gpu_mem=13 << 20, link=STAND_IN_LINK), TuneOptions(strategy="swap"))
     assert result.fits and removed & {s.tensor.split(":")[0] for s in result.plan.swaps}
     rewritten = tmp_path / "rewritten.meta"
     api.save(model, api.rewrite(judged, result.plan)[0], str(rewritten))
-    proof = realmem.prove_at_limit(model, api.load(str(rewritten)), 12 << 20, runs=2, stand_in=stand_in)
+    proof = realmem.prove_at_limit(model, api.load(str(rewritten)), 13 << 20, runs=2, stand_in=stand_in)
     assert proof.proven and not proof.original.fits, proof.line()
