@@ -7,7 +7,6 @@ Exit codes (also in the README): 0 success; 1 bad input or a failed run; 2 usage
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import traceback
 from functools import wraps
@@ -16,7 +15,7 @@ import click
 
 from lmscli import __version__
 from lmscli.cliopts import console as _console
-from lmscli.cliopts import gpu_mem_text, profile_options, size_text
+from lmscli.cliopts import emit_json, error_document, gpu_mem_text, profile_options, size_text
 from lmscli.device import NO_BUDGET, STAND_IN_LINK
 from lmscli.device import PRESETS as _PRESETS
 from lmscli.errors import EXIT_ERROR, LmsError
@@ -35,6 +34,7 @@ class LmsGroup(click.Group):
         except LmsError as exc:
             if _debug(ctx):
                 traceback.print_exc()
+            _error_json(ctx, exc.exit_code, type(exc).__name__, str(exc))
             click.echo(f"lms: error: {exc}", err=True)
             ctx.exit(exc.exit_code)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
@@ -46,9 +46,18 @@ class LmsGroup(click.Group):
             if _debug(ctx):
                 traceback.print_exc()
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            _error_json(ctx, EXIT_ERROR, "unexpected", f"unexpected {type(exc).__name__}: {first}")
             click.echo(f"lms: error: unexpected {type(exc).__name__}: {first} (run with --debug for a traceback)",
                        err=True)
             ctx.exit(EXIT_ERROR)
+
+
+def _error_json(ctx, exit_code: int, kind: str, message: str) -> None:
+    """With --json, the error as a document on stdout (schema lms.error), unless the command
+    printed its own (a no-plan answer, verify's different results)."""
+    doc = error_document(ctx.meta, ctx.invoked_subcommand, exit_code, kind, message)
+    if doc is not None:
+        click.echo(doc)
 
 
 def _debug(ctx) -> bool:
@@ -252,7 +261,7 @@ def _load(path, fmt, fetch, tag):
 
 
 def _emit_json(data: dict) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=False))
+    emit_json(data)
 
 
 @contextlib.contextmanager

@@ -40,6 +40,27 @@ def _checked(value, parse):
     return value
 
 
+JSON_ASKED = "lms.json"  # click context meta: the command was given --json
+JSON_PRINTED = "lms.json_printed"  # ... and has printed its document
+
+
+def emit_json(data: dict) -> None:
+    """Print the command's one JSON document on stdout (and remember that it did: an error after
+    it, such as verify's exit 4, adds no error document)."""
+    click.get_current_context().meta[JSON_PRINTED] = True
+    click.echo(json.dumps(data, indent=2, sort_keys=False))
+
+
+def error_document(meta: dict, command: str | None, exit_code: int, kind: str, message: str) -> str | None:
+    """With ``--json``, a failure with no document printed is a document too (schema ``lms.error``),
+    so that a CI job reading stdout gets one for every result; None without ``--json`` or when
+    the command printed its own."""
+    if not meta.get(JSON_ASKED) or meta.get(JSON_PRINTED):
+        return None
+    return json.dumps({"schema": "lms.error", "version": 1, "command": command, "exit_code": exit_code,
+                       "error": {"type": kind, "message": message}}, indent=2)
+
+
 def profile_options(func):
     """``--profile`` and ``--profile-out``: the command runs under a :class:`lmscli.timing.Clock`
     (with the deadline of ``--time-limit``, for the commands that have it), and where its time went,
@@ -52,6 +73,8 @@ def profile_options(func):
     def wrapper(*args, profile=False, profile_out=None, **kwargs):
         from lmscli.timing import Clock
 
+        if kwargs.get("as_json"):
+            click.get_current_context().meta[JSON_ASKED] = True
         limit = kwargs.pop("time_limit", None)
         clock = Clock(deadline=None if limit is None else time.monotonic() + limit)
         try:

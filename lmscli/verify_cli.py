@@ -10,13 +10,12 @@ group with ``cli.add_command``. Exit codes: 0 proven, 1 a graph that fails to ru
 
 from __future__ import annotations
 
-import json
 import os
 
 import click
 
 from lmscli.cliopts import console as _console
-from lmscli.cliopts import gpu_mem_text, profile_options
+from lmscli.cliopts import emit_json, gpu_mem_text, profile_options
 
 
 def _render(console, result) -> None:
@@ -173,7 +172,7 @@ def verify(original, rewritten, steps, batch_size, fetch, loss, no_measure, tf_o
         result = verifier.verify(model_a, model_b, steps=steps, batch_size=batch_size, measure=not no_measure,
                                  loss=loss, tf_order=tf_order)
     if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=2))
+        emit_json(result.to_dict())
     else:
         _render(_console(no_color), result)
     if not result.identical:
@@ -204,7 +203,7 @@ def _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, o
                "rewritten": {"predicted_bytes": prediction_b.predicted_bytes,
                              "predicted_standin_bytes": prediction_b.predicted_standin_bytes,
                              "grappler_peak_bytes": prediction_b.grappler_bytes}}
-        click.echo(json.dumps(doc, indent=2))
+        emit_json(doc)
     else:
         _render_limit(_console(no_color), proof, (prediction_a, prediction_b))
     if not proof.rewritten.fits:
@@ -271,8 +270,7 @@ def measure(graphs, batch_size, fetch, runs, no_tf_optimize, as_json, no_color):
     with progress.phase("measuring on the stand-in GPU"):
         needs = realmem.measure_need(models, batch_size=batch_size, runs=runs, optimize=not no_tf_optimize)
     if as_json:
-        click.echo(json.dumps({"schema": "lms.measure", "version": 1, "runs": runs,
-                               "graphs": [n.to_dict() for n in needs]}, indent=2))
+        emit_json({"schema": "lms.measure", "version": 1, "runs": runs, "graphs": [n.to_dict() for n in needs]})
         return
     _render_needs(_console(no_color), needs)
 

@@ -109,6 +109,27 @@ def test_bad_input_cli(case, tmp_path, samples, tiny_graph_def, runner):
     assert result.stdout == ""
 
 
+@pytest.mark.parametrize("command", [("analyze",), ("tune", "--gpu-mem", "1GiB"), ("rewrite", "OUT", "--gpu-mem", "1GiB"),
+                                     ("verify", "OTHER"), ("measure",)])
+def test_bad_input_with_json_is_an_error_document(command, tmp_path, samples, runner):
+    """With --json, a failed command prints a document too (schema lms.error), so that a CI job
+    reading stdout gets one for every result; the one line on stderr and exit 1 stay."""
+    import json
+
+    bad = tmp_path / "empty.meta"
+    bad.write_bytes(b"")
+    out = tmp_path / "out.meta"
+    args = [a.replace("OUT", str(out)).replace("OTHER", str(samples / "mlp.meta")) for a in command[1:]]
+    result = invoke(runner, command[0], bad, *args, "--json")
+    assert result.exit_code == 1, result.output
+    doc = json.loads(result.stdout)
+    assert doc == {"schema": "lms.error", "version": 1, "command": command[0], "exit_code": 1,
+                   "error": {"type": "InputError", "message": doc["error"]["message"]}}
+    assert str(bad) in doc["error"]["message"]
+    assert result.stderr.strip() == f"lms: error: {doc['error']['message']}"
+    assert not out.exists()
+
+
 def test_debug_shows_traceback(tmp_path, runner):
     path = tmp_path / "empty.pb"
     path.write_bytes(b"")
