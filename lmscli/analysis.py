@@ -59,7 +59,7 @@ class Prepared:
             return None
         return run_peak(self.model, with_graph_def(self.model.meta_graph, self.graph_def), self.optimized,
                         self.scratch, self.observed_order, self.observed_micros, known=self.view.tensor_facts(),
-                        orders=self.observed_orders, scratch_first=self.scratch_first)
+                        orders=self.observed_orders, scratch_first=self.scratch_first, fed=self.view.fed)
 
     def with_scratch(self, scratch: dict, first=frozenset()) -> "Prepared":
         """The same step with each op's kernel scratch (node name -> bytes) counted while it runs,
@@ -119,7 +119,7 @@ class Prepared:
 def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grappler",
             flops: float = 15.7e12, mem_bandwidth: float = 900e9, judge: str = "executor",
             optimize: bool = True, prune_dead: bool | None = None, known: dict | None = None,
-            runtime_folding: bool | None = None, optimizer=None) -> Prepared:
+            runtime_folding: bool | None = None, optimizer=None, feed_values: dict | None = None) -> Prepared:
     """Infer shapes (applying ``batch_size`` to unknown placeholder batch dims) and build the schedule.
 
     ``cost_model="grappler"`` orders and times ops by Grappler's virtual scheduler on a virtual
@@ -139,6 +139,8 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
     Grappler on the graph a session runs; on the graph as written, what either of them would fold.
     ``optimizer(meta_graph, fetches)``: what runs Grappler's default optimizations (default:
     :func:`lmscli.grappler.optimize` in a second process; the stand-in's run them in its own).
+    ``feed_values``: placeholder values the steps are fed (``--feed``): loops bounded by them are
+    counted by them (:meth:`GraphView.with_fed`).
     """
     from lmscli.graph import shapes
 
@@ -163,6 +165,9 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
             view = model.structure.with_tensors(tensors)
         else:
             view = GraphView(graph_def, tensors)
+        if feed_values:
+            _check_fed(view, feed_values)
+            view = view.with_fed(feed_values)
         for name in model.fetches:
             if name not in view.index:
                 raise InputError(f"fetch {name!r} is not a node of the graph")
@@ -250,21 +255,39 @@ def _filled(tensors: dict, known: dict) -> dict:
     return out
 
 
+def _check_fed(view: GraphView, feed_values: dict) -> None:
+    """A ``--feed`` names a placeholder of the graph and gives a value of its type, else an input
+    error (naming the placeholders there are, or what the placeholder takes)."""
+    from lmscli.graph.fed import checked
+    from lmscli.tfimport import tensorflow
+
+    names = sorted(view.names[i] for i in range(view.size) if view.ops[i] == "Placeholder")
+    unknown = sorted(set(feed_values) - set(names))
+    if unknown:
+        listed = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        raise InputError(f"--feed {unknown[0]}: the graph has no placeholder of that name (its placeholders: "
+                         f"{listed or 'none'})")
+    for name, value in feed_values.items():
+        checked(name, value, tensorflow().as_dtype(view.node_defs[view.index[name]].attr["dtype"].type))
+
+
 def run_peak(model: Model, meta_graph, optimized, scratch: dict | None = None, order=(),
              micros: dict | None = None, link_bandwidth: float = float("inf"), known: dict | None = None,
-             orders=(), scratch_first=frozenset()) -> int | None:
+             orders=(), scratch_first=frozenset(), fed: dict | None = None) -> int | None:
     """The executor model's peak of the graph a Session really runs: ``optimized``, what
     Grappler's default optimizations make of ``meta_graph`` (fusions, folded constants and the
     order they allow change the step's memory: on an attention model it fell by a third); for the
     stand-in (``order`` or ``scratch`` observed on it) with the BFC allocator's fragmentation. The
-    largest over the step's GPUs, resident bytes included; None when it cannot be scheduled."""
-    seen = run_graph(model, meta_graph, optimized, known)
+    largest over the step's GPUs, resident bytes included; None when it cannot be scheduled.
+    ``fed``: the placeholder values the steps are fed (:func:`prepare`'s ``feed_values``)."""
+    seen = run_graph(model, meta_graph, optimized, known, fed)
     return None if seen is None else run_peak_of(seen, scratch, order, micros, link_bandwidth, orders, scratch_first)
 
 
-def run_graph(model: Model, meta_graph, optimized, known: dict | None = None) -> Prepared | None:
-    """``optimized`` (the graph a Session runs for ``meta_graph``) prepared for the simulator;
-    None when there is none or it cannot be scheduled."""
+def run_graph(model: Model, meta_graph, optimized, known: dict | None = None,
+              fed: dict | None = None) -> Prepared | None:
+    """``optimized`` (the graph a Session runs for ``meta_graph``) prepared for the simulator, fed
+    ``fed`` (:func:`prepare`'s ``feed_values``); None when there is none or it cannot be scheduled."""
     from lmscli.errors import LmsError
 
     if optimized is None:
@@ -276,7 +299,7 @@ def run_graph(model: Model, meta_graph, optimized, known: dict | None = None) ->
         graph = Model(model.path, model.format, with_graph_def(meta_graph, graph_def), tuple(model.fetches),
                       model.fetch_source, [])
         try:
-            return prepare(graph, optimize=False, known=known, runtime_folding=True)
+            return prepare(graph, optimize=False, known=known, runtime_folding=True, feed_values=fed)
         except LmsError:
             continue
     return None

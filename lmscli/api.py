@@ -67,7 +67,8 @@ def stand_in_step(model: Model) -> Model:
     return model if fetches == tuple(model.fetches) else replace(model, fetches=fetches)
 
 
-def for_stand_in(prepared: Prepared, stand_in=None, judge_runs: int | None = None) -> Prepared:
+def for_stand_in(prepared: Prepared, stand_in=None, judge_runs: int | None = None,
+                 feed_values: dict | None = None) -> Prepared:
     """The step as the CPU stand-in GPU of ``lms verify --gpu-mem`` runs it: the kernel scratch of
     this machine's CPU kernels, the CPU executor's order and the CPU's op times, all observed in
     traced steps on the stand-in itself (see :mod:`lmscli.prove.scratch`); plans for it are
@@ -75,10 +76,12 @@ def for_stand_in(prepared: Prepared, stand_in=None, judge_runs: int | None = Non
     stand-in (with the stand-in's link: :data:`lmscli.device.STAND_IN_LINK`). ``stand_in``: the
     :class:`~lmscli.prove.standin.StandIn` to use (default: one shared by the process, stopped
     at exit); ``judge_runs``: the judge's fresh runs under each of its two limits (default
-    :data:`STAND_IN_JUDGE_RUNS`; fewer: a faster tune, less evidence against a run that varies)."""
+    :data:`STAND_IN_JUDGE_RUNS`; fewer: a faster tune, less evidence against a run that varies);
+    ``feed_values``: values for placeholders the steps there are fed (``--feed``; a StandIn of
+    its own then)."""
     if judge_runs is not None and judge_runs < 1:
         raise InputError(f"the stand-in's judge needs at least one run per limit, not {judge_runs}")
-    from lmscli.prove.standin import shared
+    from lmscli.prove.standin import StandIn, shared
 
     if len(prepared.devices) > 1:
         raise InputError(
@@ -87,15 +90,17 @@ def for_stand_in(prepared: Prepared, stand_in=None, judge_runs: int | None = Non
             "without --stand-in (every GPU against the budget) and prove the rewrite with `lms verify ORIGINAL "
             "REWRITTEN`; `lms measure` gives the graph's need on the stand-in, all GPUs together")
     step = stand_in_step(prepared.model)
-    stand_in = stand_in or shared()
+    stand_in = stand_in or (StandIn(feed_values=feed_values) if feed_values else shared())
     # What Grappler fuses decides which ops may take a control edge (a fused kernel's root may not):
     # the stand-in's sessions run it without oneDNN, which fuses no batch norm with its ReLU on a CPU
     # (bench-real: a DenseNet's stand-in plans needed 1.7x the lower bound, no batch norm
     # waiting for a swap-out, as if fused, though the stand-in ran them unfused).
     optimizer = stand_in.optimizer if prepared.optimized is not None else None
-    if step is not prepared.model or optimizer is not None:  # (the loss's ops are part of the step the stand-in runs)
+    fed = stand_in.feed_values
+    if step is not prepared.model or optimizer is not None or fed != prepared.view.fed:
+        # (the loss's ops are part of the step the stand-in runs; loops bounded by fed values counted by them)
         prepared = prepare(step, batch_size=prepared.batch_size, judge=prepared.schedule.memory_model,
-                           optimizer=optimizer)
+                           optimizer=optimizer, feed_values=fed)
     meta = with_graph_def(prepared.model.meta_graph, prepared.graph_def)
     seen = stand_in.observe(meta, prepared.model.fetches, batch_size=prepared.batch_size or 1)
     return replace(_in_the_worst_order(prepared, seen), stand_in=stand_in, judge_runs=judge_runs)

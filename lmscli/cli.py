@@ -15,7 +15,7 @@ import click
 
 from lmscli import __version__
 from lmscli.cliopts import console as _console
-from lmscli.cliopts import emit_json, error_document, gpu_mem_text, profile_options, size_text
+from lmscli.cliopts import emit_json, error_document, feed_option, gpu_mem_text, profile_options, size_text
 from lmscli.device import NO_BUDGET, STAND_IN_LINK
 from lmscli.device import PRESETS as _PRESETS
 from lmscli.errors import EXIT_ERROR, LmsError
@@ -201,6 +201,7 @@ def plan_options(func):
                   help="With --stand-in: fresh runs of each plan the judge makes under --gpu-mem, and as many under "
                        "--gpu-mem less half the reserve (default 5). Fewer is faster and weaker evidence against a "
                        "run that varies; `lms verify` proves the result anyway.")
+    @feed_option
     @click.option("--no-grappler-check", is_flag=True, help="Skip Grappler's estimate of the plan (its second opinion).")
     @click.option("--time-limit", type=click.FloatRange(min=0.0, min_open=True), metavar="SECONDS",
                   help="Stop refining after SECONDS (counted from the start) and return the best fitting plan "
@@ -331,8 +332,10 @@ def report_option(func):
               help="The step as the CPU stand-in GPU of `lms verify --gpu-mem` runs it (its kernels' scratch "
                    "buffers and op order, observed in traced steps): the peak, and the lower bound before "
                    "`--stand-in` planning leaves alone the tensors whose swap would change Grappler's optimizations.")
+@feed_option
 @output_options
-def analyze(model, fmt, fetch, tag, batch_size, plot, report_file, stand_in, as_json, verbose, quiet, no_color):
+def analyze(model, fmt, fetch, tag, batch_size, plot, report_file, stand_in, feed_values, as_json, verbose, quiet,
+            no_color):
     """Report a graph's size, levels, largest operation and peak memory without swapping."""
     from lmscli import api
     from lmscli.report import terminal as report
@@ -344,9 +347,9 @@ def analyze(model, fmt, fetch, tag, batch_size, plot, report_file, stand_in, as_
         if stand_in:
             loaded = api.stand_in_step(loaded)
     with progress.phase("inferring shapes and scheduling the step"):
-        prepared = api.prepare(loaded, batch_size=batch_size)
+        prepared = api.prepare(loaded, batch_size=batch_size, feed_values=feed_values)
         if stand_in:
-            prepared = api.for_stand_in(prepared)
+            prepared = api.for_stand_in(prepared, feed_values=feed_values)
     _warn_unknown_sizes(prepared, quiet)
     with progress.phase("simulating the step"):
         baseline = simulate(prepared.schedule)
@@ -377,7 +380,7 @@ def analyze(model, fmt, fetch, tag, batch_size, plot, report_file, stand_in, as_
 @output_options
 def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, host_mem, link, find_max_batch,
          plan_out, plot, report_file, as_json, verbose, quiet, no_color, no_grappler_check, judge, stand_in,
-         judge_runs, **plan_kwargs):
+         judge_runs, feed_values, **plan_kwargs):
     """Plan the least swapping that fits a GPU, and predict its cost."""
     from lmscli import api
     from lmscli.report import terminal as report
@@ -389,19 +392,20 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
     options = _tune_options(**plan_kwargs)
     if find_max_batch:
         def probe():
-            return api.prepare(loaded, batch_size=batch_size or 1, judge=judge)
+            return api.prepare(loaded, batch_size=batch_size or 1, judge=judge, feed_values=feed_values)
 
         with progress.phase("searching the largest batch size that fits"), _no_fit_json("lms.tune", as_json, verbose):
             device = _device(probe, gpu_mem, device_preset, reserve, host_mem, link)
-            batch, result, prepared = api.find_max_batch(loaded, device, options, judge=judge)
+            batch, result, prepared = api.find_max_batch(loaded, device, options, judge=judge,
+                                                         feed_values=feed_values)
     else:
         with progress.phase("inferring shapes and scheduling the step"):
             if stand_in:
                 loaded = api.stand_in_step(loaded)
-            prepared = api.prepare(loaded, batch_size=batch_size, judge=judge)
+            prepared = api.prepare(loaded, batch_size=batch_size, judge=judge, feed_values=feed_values)
             _warn_unknown_sizes(prepared, quiet)
             if stand_in:
-                prepared = api.for_stand_in(prepared, judge_runs=judge_runs)
+                prepared = api.for_stand_in(prepared, judge_runs=judge_runs, feed_values=feed_values)
                 link = link or STAND_IN_LINK
             device = _device(prepared, gpu_mem, device_preset, reserve, host_mem, link)
         with progress.phase("tuning" + ("" if no_grappler_check else ", then checking the plan with Grappler")), \
@@ -453,7 +457,7 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
 def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, host_mem, link, plan_file,
             serialize_levels, serialize_by_size, host_device, force, dry_run, plan_out, plot, report_file,
             tensorboard_logdir, as_json, verbose, quiet, no_color, no_grappler_check, judge, stand_in,
-            judge_runs, **plan_kwargs):
+            judge_runs, feed_values, **plan_kwargs):
     """Write MODEL with swap-out and swap-in operations to OUTPUT (same format)."""
     from dataclasses import replace
 
@@ -489,10 +493,10 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
     with progress.phase("inferring shapes and scheduling the step"):
         if stand_in:
             loaded = api.stand_in_step(loaded)
-        prepared = api.prepare(loaded, batch_size=batch_size, judge=judge)
+        prepared = api.prepare(loaded, batch_size=batch_size, judge=judge, feed_values=feed_values)
         _warn_unknown_sizes(prepared, quiet)
         if stand_in:
-            prepared = api.for_stand_in(prepared, judge_runs=judge_runs)
+            prepared = api.for_stand_in(prepared, judge_runs=judge_runs, feed_values=feed_values)
             link = link or STAND_IN_LINK
     options = _tune_options(**plan_kwargs)
     if plan is not None:

@@ -40,6 +40,47 @@ def _checked(value, parse):
     return value
 
 
+def feed_values(ctx, param, value) -> dict:
+    """``--feed NAME=VALUE`` (repeatable): a placeholder's value in the steps lms runs, filling its
+    shape: ``true``/``false``, an integer or a number (``--feed seq_len=128 --feed keep_prob=0.9``)."""
+    out: dict = {}
+    for text in value or ():
+        name, sep, raw = text.partition("=")
+        name, raw = name.strip(), raw.strip()
+        if not sep or not name or not raw:
+            raise click.BadParameter(f"{text!r}: give NAME=VALUE, e.g. seq_len=128", ctx=ctx, param=param)
+        if name in out:
+            raise click.BadParameter(f"{name} is given twice", ctx=ctx, param=param)
+        out[name] = _feed_number(raw, ctx, param)
+    return out
+
+
+def _feed_number(raw: str, ctx, param):
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    try:
+        return int(raw)
+    except ValueError:
+        pass
+    try:
+        number = float(raw)
+    except ValueError:
+        raise click.BadParameter(f"{raw!r} is not true, false or a number", ctx=ctx, param=param) from None
+    if number != number or number in (float("inf"), float("-inf")):
+        raise click.BadParameter(f"{raw!r} is not a finite number", ctx=ctx, param=param)
+    return number
+
+
+FEED_HELP = ("Feed placeholder NAME the value VALUE (true, false, an integer or a number, filling its shape) in "
+             "the steps lms runs, instead of lms's own: a sequence length, a count, a keep probability. Repeatable.")
+
+
+def feed_option(func):
+    """``--feed NAME=VALUE`` (repeatable), given to the command as ``feed_values`` (a dict)."""
+    return click.option("--feed", "feed_values", multiple=True, metavar="NAME=VALUE", callback=feed_values,
+                        help=FEED_HELP)(func)
+
+
 JSON_ASKED = "lms.json"  # click context meta: the command was given --json
 JSON_PRINTED = "lms.json_printed"  # ... and has printed its document
 

@@ -15,7 +15,7 @@ import os
 import click
 
 from lmscli.cliopts import console as _console
-from lmscli.cliopts import emit_json, gpu_mem_text, profile_options
+from lmscli.cliopts import emit_json, feed_option, gpu_mem_text, profile_options
 
 
 def _render(console, result) -> None:
@@ -137,11 +137,12 @@ def _made_for_stand_in(graph_def) -> bool:
               help="With --gpu-mem: runs per graph (the executor's order varies between runs).")
 @click.option("--no-tf-optimize", is_flag=True,
               help="With --gpu-mem: turn TensorFlow's graph optimizations (Grappler) off on the stand-in.")
+@feed_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 @click.option("--no-color", is_flag=True, help="Plain output without colours.")
 @profile_options
 def verify(original, rewritten, steps, batch_size, fetch, loss, no_measure, tf_order, gpu_mem, runs, no_tf_optimize,
-           as_json, no_color):
+           feed_values, as_json, no_color):
     """Prove on CPU that REWRITTEN trains bit-identically to ORIGINAL, and measure both peaks.
 
     Both graphs run on two logical CPUs (the model on /device:CPU:1 standing in for the GPU, swap
@@ -162,15 +163,15 @@ def verify(original, rewritten, steps, batch_size, fetch, loss, no_measure, tf_o
         model_a = api.load(original, fetch=fetches)
         model_b = api.load(rewritten, fetch=list(model_a.fetches))
         batch_size = rewrite_batch_size(model_a.meta_graph, model_b.meta_graph, batch_size)
-    _integer_note(model_a)
+    _integer_note(model_a, feed_values)
     if gpu_mem is not None:
         with progress.phase("proving on the stand-in GPU"):
             _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, not no_tf_optimize,
-                             as_json, no_color)
+                             as_json, no_color, feed_values)
         return
     with progress.phase("training both graphs"):
         result = verifier.verify(model_a, model_b, steps=steps, batch_size=batch_size, measure=not no_measure,
-                                 loss=loss, tf_order=tf_order)
+                                 loss=loss, tf_order=tf_order, feed_values=feed_values)
     if as_json:
         emit_json(result.to_dict())
     else:
@@ -180,13 +181,14 @@ def verify(original, rewritten, steps, batch_size, fetch, loss, no_measure, tf_o
                                         f"{result.difference.message}")
 
 
-def _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, optimize, as_json, no_color) -> None:
+def _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, optimize, as_json, no_color,
+                     feed_values=None) -> None:
     from lmscli.prove import verify as verifier
     from lmscli.prove import realmem
     from lmscli.prove.standin import StandIn
 
     batch_size = _run_batch([model_a, model_b], batch_size)
-    with StandIn(optimize=optimize) as stand_in:
+    with StandIn(optimize=optimize, feed_values=feed_values) as stand_in:
         prediction_a, observation = realmem.predict(model_a, batch_size, stand_in=stand_in)
         prediction_b, _ = realmem.predict(model_b, batch_size, observation, stand_in)
         limit = _limit(gpu_mem, prediction_a.predicted_bytes)
@@ -240,10 +242,11 @@ def _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, o
 @click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True,
               help="Runs that must all fit at the limit found (the executor's order varies between runs).")
 @click.option("--no-tf-optimize", is_flag=True, help="Turn TensorFlow's graph optimizations (Grappler) off.")
+@feed_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 @click.option("--no-color", is_flag=True, help="Plain output without colours.")
 @profile_options
-def measure(graphs, batch_size, fetch, runs, no_tf_optimize, as_json, no_color):
+def measure(graphs, batch_size, fetch, runs, no_tf_optimize, feed_values, as_json, no_color):
     """How much memory one training step of each GRAPH really needs.
 
     Finds, to 1 MiB, the smallest limit under which the step runs on the stand-in GPU (a TensorFlow
@@ -266,9 +269,10 @@ def measure(graphs, batch_size, fetch, runs, no_tf_optimize, as_json, no_color):
     for other in models[1:]:
         batch_size = rewrite_batch_size(models[0].meta_graph, other.meta_graph, batch_size)
     batch_size = _run_batch(models, batch_size)
-    _integer_note(models[0])
+    _integer_note(models[0], feed_values)
     with progress.phase("measuring on the stand-in GPU"):
-        needs = realmem.measure_need(models, batch_size=batch_size, runs=runs, optimize=not no_tf_optimize)
+        needs = realmem.measure_need(models, batch_size=batch_size, runs=runs, optimize=not no_tf_optimize,
+                                     feed_values=feed_values)
     if as_json:
         emit_json({"schema": "lms.measure", "version": 1, "runs": runs, "graphs": [n.to_dict() for n in needs]})
         return
@@ -286,17 +290,21 @@ def _run_batch(models, batch_size):
     return chosen
 
 
-def _integer_note(model) -> None:
-    """Say on stderr which integer placeholders are fed 0 and 1 (no size they index was found):
-    QA r47, a GRU's sequence lengths, so its loop ran once and its need was measured at 11 MiB of
-    37 with no word."""
-    from lmscli.prove.steps import import_graph, unbounded_integers
+def _integer_note(model, feed_values=None) -> None:
+    """Say on stderr which integer placeholders are fed 0 and 1 (no size they index was found, and
+    no --feed): QA r47, a GRU's sequence lengths, so its loop ran once and its need was measured at
+    11 MiB of 37 with no word. A --feed naming no placeholder of the step is an error here, before
+    any run."""
+    from lmscli.prove.steps import feeds, import_graph, unbounded_integers
 
-    names = unbounded_integers(import_graph(model.meta_graph, list(model.fetches)).placeholders)
+    placeholders = import_graph(model.meta_graph, list(model.fetches)).placeholders
+    feeds(placeholders, 1, 0, feed_values)
+    names = unbounded_integers(placeholders, feed_values or {})
     if names:
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         click.echo(f"note: integer placeholder(s) {shown} are fed 0 and 1 (lms found no size they index): "
-                   "a loop or a count they bound runs at most once, and the figures are that step's", err=True)
+                   "a loop or a count they bound runs at most once, and the figures are that step's; "
+                   "give them values with --feed NAME=VALUE", err=True)
 
 
 def _load_like(path: str, first, fetches):

@@ -520,3 +520,61 @@ def test_integer_feeds_cover_the_sizes_they_index(tmp_path):
     result = _run(path, path, "--no-measure")
     assert result.exit_code == 0, result.output
     assert "note: integer placeholder(s) lengths are fed 0 and 1" in result.stderr
+
+
+def _length_bound_loop(path):
+    """A tanh RNN over at most 64 steps of 128 sequences, its loop running max(lengths) times
+    (lengths: an int32 placeholder no size bounds)."""
+    from tests.conftest import v1_training_graph
+
+    with v1_training_graph(path) as (tf, v1, graph):
+        x = v1.placeholder(tf.float32, [64, 128, 64], name="x")
+        lengths = v1.placeholder(tf.int32, [128], name="lengths")
+        w = v1.get_variable("w", [64, 256], initializer=v1.glorot_uniform_initializer(seed=1))
+        u = v1.get_variable("u", [256, 256], initializer=v1.glorot_uniform_initializer(seed=2))
+        trips = tf.minimum(tf.reduce_max(lengths), 64)
+
+        def body(i, h):
+            return i + 1, tf.tanh(tf.matmul(x[i], w) + tf.matmul(h, u))
+
+        _, h = v1.while_loop(lambda i, h: i < trips, body, [tf.constant(0), tf.zeros([128, 256])])
+        graph.loss = tf.reduce_mean(h)
+    return path
+
+
+@pytest.mark.slow
+def test_feed_gives_a_sequence_length_its_value(tmp_path, runner):
+    """QA r47 P3: a sequence length was fed 0 and 1, so the loop it bounds ran once in every proof
+    and measurement, and lms's model counted it once. ``--feed lengths=64`` fills the placeholder
+    in the steps lms runs (`lms verify`, the stand-in) and in the model's loop bounds (the 64
+    iterations' gradient stacks counted); a name or a value the graph cannot take is an error."""
+    from lmscli.errors import InputError
+    from lmscli.prove.standin import StandIn
+
+    path = _length_bound_loop(tmp_path / "rnn.meta")
+    plain = json.loads(invoke(runner, "analyze", path, "--json").stdout)
+    fed = json.loads(invoke(runner, "analyze", path, "--json", "--feed", "lengths=64").stdout)
+    # (64 iterations each keep a 128 KiB state and a 32 KiB input for the gradient: 10 MiB of stacks)
+    assert fed["peak_bytes"] - plain["peak_bytes"] > 8 << 20, (plain["peak_bytes"], fed["peak_bytes"])
+
+    imported = steps.import_graph(api.load(str(path)).meta_graph, ["loss"])
+    values = {t.op.name: v for t, v in steps.feeds(imported.placeholders, 1, 0, {"lengths": 64}).items()}
+    assert values["lengths"].shape == (128,) and set(values["lengths"]) == {64} and values["x"].std() > 0.5
+    with pytest.raises(InputError, match="no placeholder of that name"):
+        steps.feeds(imported.placeholders, 1, 0, {"length": 64})
+    with pytest.raises(InputError, match="takes an integer"):
+        steps.feeds(imported.placeholders, 1, 0, {"lengths": 2.5})
+
+    done = _run(path, path, "--no-measure", "--feed", "lengths=64")
+    assert done.exit_code == 0, done.output
+    assert "fed 0 and 1" not in done.stderr
+    assert "fed 0 and 1" in _run(path, path, "--no-measure").stderr
+    wrong = invoke(runner, "tune", path, "--gpu-mem", "8MiB", "--feed", "lengths=true")
+    assert wrong.exit_code == 1 and "takes an integer" in wrong.stderr
+    assert invoke(runner, "tune", path, "--gpu-mem", "8MiB", "--feed", "lengths").exit_code == 2
+
+    # On the stand-in: the step fed 0 and 1 fits under 8 MiB; with 64 iterations it does not.
+    model = api.load(str(path))
+    with StandIn() as alone, StandIn(feed_values={"lengths": 64}) as fed_in:
+        assert alone.run(model.meta_graph, model.fetches, 8 << 20, runs=1, values=False).fits
+        assert not fed_in.run(model.meta_graph, model.fetches, 8 << 20, runs=1, values=False).fits

@@ -166,6 +166,9 @@ class GraphView:
         # (node, output) of the tensors TensorFlow's runtime makes constants of (see
         # lmscli.graph.constfold); set by with_runtime_constants (lmscli.analysis.prepare).
         self.runtime_constants: frozenset[tuple[int, int]] = frozenset()
+        # Placeholder values the steps are fed (``--feed NAME=VALUE``): a loop bound computed from
+        # them is known (:class:`lmscli.graph.loopvalues.Evaluator`); set by with_fed.
+        self.fed: dict[str, object] = {}
 
     def _place_with_variables(self) -> None:
         """Unplaced ops taking a placed resource variable's handle first (its reads, updates and
@@ -366,6 +369,16 @@ class GraphView:
         for key in ("_loop_storage", "_loop_counts", "_loop_trips"):  # (lmscli.model.schedule: sized or counted by shapes)
             other.__dict__.pop(key, None)
         other._tensors = {k: tuple(v) for k, v in tensors.items()}
+        return other
+
+    def with_fed(self, values: dict) -> "GraphView":
+        """The same graph whose placeholders named in ``values`` are fed those values (filling their
+        shapes): loops bounded by them are counted by them (QA r47: a sequence length)."""
+        other = object.__new__(GraphView)
+        other.__dict__.update(self.__dict__)
+        for key in ("_loop_storage", "_loop_counts", "_loop_trips"):  # (counted again, from the values)
+            other.__dict__.pop(key, None)
+        other.fed = dict(values)
         return other
 
     def with_runtime_constants(self, pairs) -> "GraphView":

@@ -97,13 +97,15 @@ VALUE_LEAVES = frozenset({"Placeholder", "PlaceholderWithDefault", "PlaceholderV
                           "Variable", "ReadVariableOp"})
 
 
-def _reads_values(view: GraphView, node: int) -> bool:
+def _reads_values(view: GraphView, node: int, fed=()) -> bool:
     """Does ``node`` depend on what a placeholder or a variable holds (not just its shape)? Then the
     step's data decides it, and computing it from zeros would be wrong (QA: a loop running while
-    ``i < sum(mask)``, at most 128 times, was counted as running 0 times)::
+    ``i < sum(mask)``, at most 128 times, was counted as running 0 times); the placeholders named
+    in ``fed`` hold known values (``--feed``)::
 
         mask (Placeholder) -> Sum -> Less(i, .)      the values: unknown
         x (Placeholder) -> Shape -> StridedSlice     the shape: known
+        lengths (Placeholder, fed 64) -> Max         known: 64
     """
     stack, seen = [node], set()
     while stack:
@@ -111,7 +113,8 @@ def _reads_values(view: GraphView, node: int) -> bool:
         if i in seen:
             continue
         seen.add(i)
-        if view.ops[i] in VALUE_LEAVES:
+        if view.ops[i] in VALUE_LEAVES and not (view.names[i] in fed and view.ops[i] in ("Placeholder",
+                                                                                       "PlaceholderV2")):
             return True
         if view.ops[i] in SHAPE_OPS:
             continue
@@ -121,7 +124,8 @@ def _reads_values(view: GraphView, node: int) -> bool:
 
 class Evaluator:
     """Values of loop-invariant tensors: constants read from the graph, anything else computed by
-    TensorFlow from the placeholders' static shapes (zeros; None when that fails)."""
+    TensorFlow from the placeholders' static shapes (zeros; None when that fails), and from the
+    values of the placeholders the steps are fed (``view.fed``: ``--feed``)."""
 
     def __init__(self, view: GraphView):
         self.view = view
@@ -163,7 +167,7 @@ class Evaluator:
         tf = tensorflow()
         view = self.view
         needed = view.ancestors([node])
-        if any(view.frames[i] for i in needed) or _reads_values(view, node):
+        if any(view.frames[i] for i in needed) or _reads_values(view, node, view.fed):
             return None
         try:
             from tensorflow.core.framework import graph_pb2
@@ -180,8 +184,8 @@ class Evaluator:
                     t = op.outputs[0]
                     if t.shape.rank is None:
                         return None
-                    feeds[t] = np.zeros([d if d is not None else 1 for d in t.shape.as_list()],
-                                        dtype=t.dtype.as_numpy_dtype)
+                    feeds[t] = np.full([d if d is not None else 1 for d in t.shape.as_list()],
+                                       view.fed.get(op.name, 0), dtype=t.dtype.as_numpy_dtype)
             with tf.compat.v1.Session(graph=graph) as session:
                 value = session.run(f"{view.names[node]}:{output}", feed_dict=feeds)
         except Exception:

@@ -248,7 +248,8 @@ def notes(view: GraphView, active, loops: dict[str, Loop]) -> tuple[str, ...]:
     if unknown:
         out.append(f"{len(unknown)} loop(s) with a trip count lms cannot read ({', '.join(unknown[:3])}"
                    f"{', ...' if len(unknown) > 3 else ''}): counted for one iteration, so what they keep is "
-                   "underestimated")
+                   "underestimated (a loop bounded by a placeholder's value, a sequence length, is counted by "
+                   "the value --feed NAME=VALUE gives it)")
     parallel = max((_parallel_iterations(view, i) for i in active if view.frames[i]
                     and view.ops[i] in ("Enter", "RefEnter")), default=1)
     if parallel > 1:

@@ -111,7 +111,7 @@ def run_peak(prepared: Prepared, rewritten, optimized, link_bandwidth: float = f
 
     if prepared.stand_in is None or device is None:
         return peak_of(prepared.model, rewritten, optimized, link_bandwidth=link_bandwidth,
-                       known=prepared.view.tensor_facts())
+                       known=prepared.view.tensor_facts(), fed=prepared.view.fed)
     return stand_in_need(prepared, rewritten, device)
 
 

@@ -641,11 +641,12 @@ RUN_ROUNDS = 5
 
 @timed("largest batch search")
 def find_max_batch(model: Model, device: Device, options: TuneOptions = TuneOptions(), limit: int = 1 << 16,
-                   cost_model: str = "grappler", judge: str = "executor"):
+                   cost_model: str = "grappler", judge: str = "executor", feed_values: dict | None = None):
     """The largest batch size for which a plan fits ``device`` (exponential then binary search).
-    Returns ``(batch_size, TuneResult, Prepared)``; raises NoFitError if batch 1 does not fit."""
+    Returns ``(batch_size, TuneResult, Prepared)``; raises NoFitError if batch 1 does not fit.
+    ``feed_values``: placeholder values the steps are fed (:func:`lmscli.analysis.prepare`)."""
     def attempt(batch: int):
-        prepared = prepare(model, batch_size=batch, cost_model=cost_model, judge=judge)
+        prepared = prepare(model, batch_size=batch, cost_model=cost_model, judge=judge, feed_values=feed_values)
         if not prepared.batched_placeholders:
             raise InputError("--find-max-batch needs a graph whose placeholders have an unknown batch dimension")
         try:

@@ -212,7 +212,7 @@ def serialize(meta, order) -> int:
 
 
 def measure_peak(meta_graph, fetches, batch_size: int = 1, order=None, warmup: int = 1,
-                 optimize: bool = False) -> MeasuredMemory:
+                 optimize: bool = False, feed_values: dict | None = None) -> MeasuredMemory:
     """Run one traced training step of ``fetches`` and measure the peak live bytes on the stand-in.
 
     Swap nodes are replaced by copying ops in a private copy of the graph. ``order`` (node names,
@@ -220,6 +220,7 @@ def measure_peak(meta_graph, fetches, batch_size: int = 1, order=None, warmup: i
     a different order of ready nodes in every session, even with one inter-op thread, and a
     rewritten graph's peak depends on it. ``warmup`` steps run first (first-run allocations aside).
     ``optimize=False`` turns Grappler off so the graph runs as written (oneDNN's fusions remain).
+    ``feed_values``: the user's values for placeholders (:func:`lmscli.prove.steps.feeds`).
     """
     tf = tensorflow()
     from lmscli.prove import steps
@@ -234,7 +235,7 @@ def measure_peak(meta_graph, fetches, batch_size: int = 1, order=None, warmup: i
             before = []  # what ran before the measured step: initializer, warm-up steps
             before.append(tf.compat.v1.RunMetadata())
             sess.run(g.init, feed_dict=g.init_feed, options=options, run_metadata=before[-1])
-            feed = steps.feeds(g.placeholders, batch_size, 0)
+            feed = steps.feeds(g.placeholders, batch_size, 0, feed_values)
             for _ in range(warmup):
                 before.append(tf.compat.v1.RunMetadata())
                 sess.run(g.targets, feed_dict=feed, options=options, run_metadata=before[-1])

@@ -59,26 +59,27 @@ def predict(model, batch_size: int | None = None, observation=None, stand_in=Non
     meta, _ = steps.map_gpu_ops(model.meta_graph)
     model = api.Model(model.path, model.format, meta, steps.step_fetches(meta, model.fetches), model.fetch_source,
                       list(model.notes))
-    prepared = api.prepare(model, batch_size=batch_size)
+    stand_in = stand_in or shared()
+    fed = stand_in.feed_values  # (the values the stand-in's steps are fed: loops they bound counted by them)
+    prepared = api.prepare(model, batch_size=batch_size, feed_values=fed)
     schedule = prepared.schedule
     prepared_meta = api.with_graph_def(meta, prepared.graph_def)
-    run = run_graph(model, prepared_meta, prepared.optimized, prepared.view.tensor_facts())
+    run = run_graph(model, prepared_meta, prepared.optimized, prepared.view.tensor_facts(), fed)
     on_gpu = (run_peak_of(run) if run is not None and len(schedule) <= RUN_JUDGE_MAX_OPS
               else simulate(schedule, detail=False).peak_bytes)
     # The stand-in is one device: a graph placed on several GPUs runs all their ops in its one
     # limited process, and is predicted so (a two-tower CNN needs 6 MiB there, 2.5 per GPU).
     # The stand-in runs the graph Grappler makes in its processes, without oneDNN: in a process with
     # oneDNN on, Grappler fuses batch norms with their ReLUs on a CPU, which the stand-in does not.
-    stand_in = stand_in or shared()
     optimizer = stand_in.optimizer
     here, here_prepared, here_meta, here_run = model, prepared, prepared_meta, run
     if len(prepared.devices) > 1 or optimizer is not None:
         if len(prepared.devices) > 1:
             here = api.Model(model.path, model.format, steps.on_one_device(meta), tuple(model.fetches),
                              model.fetch_source, list(model.notes))
-        here_prepared = api.prepare(here, batch_size=batch_size, optimizer=optimizer)
+        here_prepared = api.prepare(here, batch_size=batch_size, optimizer=optimizer, feed_values=fed)
         here_meta = api.with_graph_def(here.meta_graph, here_prepared.graph_def)
-        here_run = run_graph(here, here_meta, here_prepared.optimized, here_prepared.view.tensor_facts())
+        here_run = run_graph(here, here_meta, here_prepared.optimized, here_prepared.view.tensor_facts(), fed)
     # Each graph is observed itself: a rewrite's swap nodes and trigger edges change the order the
     # CPU executor picks. A given observation lends its kernel scratch (the same kernels run).
     observation = stand_in.observe(here_meta, model.fetches,
@@ -140,17 +141,18 @@ def run_batch(models, batch_size: int | None) -> int | None:
 
 @timed("find the smallest limit")
 def measure_need(models, batch_size: int | None = None, runs: int = 3, optimize: bool = True,
-                 stand_in=None, observation=None) -> tuple[Need, ...]:
+                 stand_in=None, observation=None, feed_values: dict | None = None) -> tuple[Need, ...]:
     """The smallest limit (to 1 MiB) under which one step of each of ``models`` runs, each found by
     bisection around the simulator's prediction and confirmed ``runs`` times. Each model's kernel
     scratch is lent to the next (a rewrite runs the same kernels), starting from ``observation``.
-    An unknown batch dimension is 1 unless ``batch_size`` says otherwise (:func:`run_batch`)."""
+    An unknown batch dimension is 1 unless ``batch_size`` says otherwise (:func:`run_batch`).
+    ``feed_values``: the user's values for placeholders, for a StandIn made here (``--feed``)."""
     from lmscli.prove.standin import StandIn
 
     batch_size = run_batch(models, batch_size)
     out = []
     owned = stand_in is None
-    stand_in = stand_in or StandIn(optimize=optimize)
+    stand_in = stand_in or StandIn(optimize=optimize, feed_values=feed_values)
     try:
         for k, model in enumerate(models):
             timing.step(f"{os.path.basename(model.path)} ({k + 1} of {len(models)}): predicting")
@@ -212,11 +214,12 @@ class LimitProof:
 @timed("prove at the limit")
 def prove_at_limit(original, rewritten, limit_bytes: int, steps: int = 1, runs: int = 3,
                    batch_size: int | None = None, loss: str | None = None, optimize: bool = True,
-                   stand_in=None) -> LimitProof:
+                   stand_in=None, feed_values: dict | None = None) -> LimitProof:
     """Run ``original`` and ``rewritten`` (loaded Models) for ``steps`` steps on the stand-in at
     ``limit_bytes``, ``runs`` times each, and both once without a limit: the rewrite must compute
     bit for bit what the original computes. (Under a tight limit the same graph may compute
-    differently in the last bits, which a note reports.)"""
+    differently in the last bits, which a note reports.) ``feed_values``: the user's values for
+    placeholders, for a StandIn made here (``--feed``)."""
     from lmscli.prove.steps import compare, default_loss, rewrite_batch_size, same_variables
     from lmscli.prove.standin import StandIn, _check_limit
 
@@ -227,7 +230,7 @@ def prove_at_limit(original, rewritten, limit_bytes: int, steps: int = 1, runs: 
     loss = loss or default_loss(meta_a)
     batch = batch_size or 1
     owned = stand_in is None
-    stand_in = stand_in or StandIn(optimize=optimize)
+    stand_in = stand_in or StandIn(optimize=optimize, feed_values=feed_values)
     notes = []
     whole = _check_limit(limit_bytes)  # the allocator's limit is set in whole MiB
     if whole != limit_bytes:

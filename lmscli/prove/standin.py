@@ -549,15 +549,16 @@ class _Prepared:
     imported: object  # lmscli.prove.steps.Imported
     produced: list  # fetched output tensors, compared for graphs without variables
     feeds: dict  # (step, batch size) -> feed dict
+    feed_values: dict | None = None  # the user's values for placeholders (--feed)
 
     def feed(self, step: int, batch_size: int) -> dict:
         key = (step, batch_size)
         if key not in self.feeds:
-            self.feeds[key] = feeds(self.imported.placeholders, batch_size, step)
+            self.feeds[key] = feeds(self.imported.placeholders, batch_size, step, self.feed_values)
         return self.feeds[key]
 
 
-def _prepare(meta_graph, fetches, loss: str | None) -> _Prepared:
+def _prepare(meta_graph, fetches, loss: str | None, feed_values: dict | None = None) -> _Prepared:
     meta = place(meta_graph)
     try:
         imported = import_graph(meta, list(fetches), loss or default_loss(meta))
@@ -567,7 +568,8 @@ def _prepare(meta_graph, fetches, loss: str | None) -> _Prepared:
         raise failed_run(exc) from None
     produced = [] if imported.variables else [t for op in imported.targets for t in op.outputs
                                               if t.dtype.is_numpy_compatible]
-    return _Prepared(imported, produced, {})
+    feeds(imported.placeholders, 1, 0, feed_values)  # (a --feed naming no placeholder fails before any run)
+    return _Prepared(imported, produced, {}, feed_values)
 
 
 def _mib(num_bytes: int | None) -> str:
@@ -640,15 +642,18 @@ class StandIn:
     (and at interpreter exit as a last resort). Not thread-safe.
 
     ``optimize=False`` turns Grappler off in the sessions (the graph runs as written);
-    ``timeout_s`` bounds every session call and every server start (it must exceed the
-    allocator's 10 s retry); ``log_dir`` keeps the servers' logs (default: a private temporary
-    directory, removed on close).
+    ``feed_values`` fills the placeholders it names with those values in every step (``--feed``;
+    :func:`lmscli.prove.steps.feeds`), the others get lms's own; ``timeout_s`` bounds every
+    session call and every server start (it must exceed the allocator's 10 s retry); ``log_dir``
+    keeps the servers' logs (default: a private temporary directory, removed on close).
     """
 
-    def __init__(self, *, optimize: bool = True, timeout_s: float = 120.0, log_dir: str | None = None):
+    def __init__(self, *, optimize: bool = True, timeout_s: float = 120.0, log_dir: str | None = None,
+                 feed_values: dict | None = None):
         if timeout_s <= RETRY_S + 5:
             raise InputError(f"timeout_s must exceed {RETRY_S + 5:.0f} s (TensorFlow retries an allocation for 10 s)")
         self.optimize = optimize
+        self.feed_values = dict(feed_values or {})
         self.timeout_s = timeout_s
         self._tmp = None if log_dir else tempfile.TemporaryDirectory(prefix="lms-standin-")
         self.log_dir = log_dir or self._tmp.name
@@ -914,8 +919,8 @@ class StandIn:
         limit = _check_limit(limit_bytes)
         if runs < 1 or steps < 1:
             raise InputError("runs and steps must be at least 1")
-        self.last_verdict = self._verdict(_prepare(meta_graph, fetches, loss), limit, batch_size, steps, runs, peak,
-                                          values)
+        prep = _prepare(meta_graph, fetches, loss, self.feed_values)
+        self.last_verdict = self._verdict(prep, limit, batch_size, steps, runs, peak, values)
         return self.last_verdict
 
     @timed("traced steps on the stand-in")
@@ -934,7 +939,7 @@ class StandIn:
         pages for each large buffer made a DenseNet's recomputed ops look three times slower."""
         from lmscli.prove.scratch import from_step_stats
 
-        prep = _prepare(meta_graph, fetches, loss)
+        prep = _prepare(meta_graph, fetches, loss, self.feed_values)
         timed = self._run_once(prep, OBSERVE_REGION, batch_size, 2, False, trace=True, values=False)
         sized = (self._run_once(prep, None, batch_size, 1, False, trace=True, bfc=False, values=False)
                  if timed.fits else timed)
@@ -977,7 +982,7 @@ class StandIn:
         res = max(MIB, (resolution // MIB) * MIB)
         lo = None if lo_bytes is None else _ceil_to(lo_bytes, res)
         hi = None if hi_bytes is None else _ceil_to(hi_bytes, res)
-        prep = _prepare(meta_graph, fetches, None)
+        prep = _prepare(meta_graph, fetches, None, self.feed_values)
         search = _Search(self, prep, batch_size, steps, res, lo, hi)
         reference = None
         if hint_bytes is None and lo is not None and hi is not None:

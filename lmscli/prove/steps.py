@@ -290,12 +290,18 @@ def rewrite_batch_size(original, rewritten, batch_size: int | None) -> int | Non
     return size
 
 
-def feeds(placeholders, batch_size: int, step: int) -> dict:
+def feeds(placeholders, batch_size: int, step: int, feed_values: dict | None = None) -> dict:
     """The same random values for a placeholder name and step in every graph (an integer one in
-    the range it indexes, :func:`integer_bounds`)."""
+    the range it indexes, :func:`integer_bounds`); a placeholder named in ``feed_values`` (the
+    user's ``--feed NAME=VALUE``) is filled with that value instead (:func:`given_value`)."""
+    feed_values = feed_values or {}
+    _check_feed_names(placeholders, feed_values)
     feed = {}
     for op in placeholders:
         t = op.outputs[0]
+        if op.name in feed_values:
+            feed[t] = given_value(op.name, feed_values[op.name], t.shape, t.dtype, batch_size)
+            continue
         if t.shape.rank is None or not t.dtype.is_numpy_compatible or t.dtype.name == "string":
             continue  # (a SavedModel's checkpoint path, for one, is no input of the step)
         bound = integer_bounds(op) if t.dtype.is_integer else None
@@ -303,10 +309,28 @@ def feeds(placeholders, batch_size: int, step: int) -> dict:
     return feed
 
 
-def unbounded_integers(placeholders) -> list[str]:
+def _check_feed_names(placeholders, feed_values: dict) -> None:
+    names = {op.name for op in placeholders}
+    unknown = sorted(set(feed_values) - names)
+    if unknown:
+        listed = ", ".join(sorted(names)[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        raise InputError(f"--feed {unknown[0]}: no placeholder of that name feeds the step "
+                         f"(its placeholders: {listed or 'none'})")
+
+
+def given_value(name: str, value, shape, dtype, batch_size: int) -> np.ndarray:
+    """``value`` from ``--feed NAME=VALUE`` filling placeholder ``name``'s shape
+    (:func:`lmscli.graph.fed.filled`)."""
+    from lmscli.graph.fed import filled
+
+    return filled(name, value, shape, dtype, batch_size)
+
+
+def unbounded_integers(placeholders, given=()) -> list[str]:
     """The integer placeholders fed 0 and 1 for want of a size they index (a sequence length, a
-    count): a loop they bound runs at most once, and a figure measured with them is that step's."""
-    return sorted(op.name for op in placeholders if op.outputs[0].dtype.is_integer
+    count) and not ``given`` a value (``--feed``): a loop they bound runs at most once, and a
+    figure measured with them is that step's."""
+    return sorted(op.name for op in placeholders if op.outputs[0].dtype.is_integer and op.name not in given
                   and op.outputs[0].shape.rank is not None and integer_bounds(op) is None)
 
 
@@ -491,11 +515,12 @@ STEP_TIMEOUT_S = 600  # a step of `lms verify` (on CPU, in this process) that ru
 
 
 def run_steps(meta_graph, fetches, steps: int = 1, batch_size: int = 2, loss: str | None = "loss:0",
-              copies: bool = False, optimize: bool = True) -> StepRun:
+              copies: bool = False, optimize: bool = True, feed_values: dict | None = None) -> StepRun:
     """Import ``meta_graph`` and run ``steps`` training steps of ``fetches`` on CPU.
 
     ``copies=True`` runs the measurement copy (swap nodes as real copies), to check it computes
-    the same as the graph; ``optimize=False`` runs it as written (Grappler off)."""
+    the same as the graph; ``optimize=False`` runs it as written (Grappler off); ``feed_values``:
+    the user's values for placeholders (:func:`feeds`)."""
     tf = tensorflow()
     # (a step that waits for itself would hang the command: QA, a graph whose swap-in waited for the loop it fed)
     options = tf.compat.v1.RunOptions(timeout_in_ms=STEP_TIMEOUT_S * 1000)
@@ -512,7 +537,7 @@ def run_steps(meta_graph, fetches, steps: int = 1, batch_size: int = 2, loss: st
                 fetch = {"train": g.targets, "outputs": produced}
                 if g.loss is not None:
                     fetch["loss"] = g.loss
-                out = sess.run(fetch, feed_dict=feeds(g.placeholders, batch_size, step), options=options)
+                out = sess.run(fetch, feed_dict=feeds(g.placeholders, batch_size, step, feed_values), options=options)
                 if g.loss is not None:
                     losses.append(np.asarray(out["loss"]))
                 if produced:

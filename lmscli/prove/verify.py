@@ -99,7 +99,8 @@ def measurement_order(prepared) -> tuple[str, ...]:
     return tuple(prepared.schedule.names)
 
 
-def _figures(model, fetches, batch_size, measure: bool, notes: list, label: str, tf_order: bool = False):
+def _figures(model, fetches, batch_size, measure: bool, notes: list, label: str, tf_order: bool = False,
+             feed_values: dict | None = None):
     """(meta graph to run, GraphFigures) for a loaded model, with the step running ``fetches``."""
     from lmscli import api, grappler
     from lmscli.plan.hoststacks import STACK_OPS
@@ -147,7 +148,7 @@ def _figures(model, fetches, batch_size, measure: bool, notes: list, label: str,
     measured = None
     if measure:
         order = None if tf_order else measurement_order(prepared)
-        measurements = [measure_peak(meta, model.fetches, batch_size or 1, order=order)
+        measurements = [measure_peak(meta, model.fetches, batch_size or 1, order=order, feed_values=feed_values)
                         for _ in range(LOOP_MEASUREMENTS if any(prepared.view.frames) else 1)]
         measured = max(measurements, key=lambda m: m.peak_bytes)
         notes.extend(f"{label}: {n}" for n in measured.notes)
@@ -172,13 +173,14 @@ def _figures(model, fetches, batch_size, measure: bool, notes: list, label: str,
 
 @timed("train both graphs")
 def verify(original, rewritten, steps: int = 2, batch_size: int | None = None, measure: bool = True,
-           loss: str | None = None, tf_order: bool = False) -> Verification:
+           loss: str | None = None, tf_order: bool = False, feed_values: dict | None = None) -> Verification:
     """Prove ``rewritten`` (a loaded Model) computes bit-identically what ``original`` does, and measure both.
 
     Both graphs run ``steps`` training steps of the original's fetches with the same seeds and feeds;
     the loss (``loss`` or :func:`default_loss`) and every variable are compared bit for bit. With
     ``measure``, each graph's peak on the stand-in device is measured in the simulator's op order
     (``tf_order=True``: in whatever order TensorFlow's executor picks, which changes per session).
+    ``feed_values``: the user's values for placeholders (``--feed``; :func:`lmscli.prove.steps.feeds`).
     """
     if steps < 1:
         raise InputError("--steps must be at least 1")
@@ -190,19 +192,21 @@ def verify(original, rewritten, steps: int = 2, batch_size: int | None = None, m
                          "pass --fetch NAME")
     same_variables(original, rewritten)
     batch_size = rewrite_batch_size(original.meta_graph, rewritten.meta_graph, batch_size)
-    meta_a, figures_a = _figures(original, fetches, batch_size, measure, notes, "original", tf_order)
-    meta_b, figures_b = _figures(rewritten, fetches, batch_size, measure, notes, "rewritten", tf_order)
+    meta_a, figures_a = _figures(original, fetches, batch_size, measure, notes, "original", tf_order, feed_values)
+    meta_b, figures_b = _figures(rewritten, fetches, batch_size, measure, notes, "rewritten", tf_order, feed_values)
     loss = loss or default_loss(meta_a)
     run_batch = batch_size or 1
-    a = run_steps(meta_a, fetches, steps=steps, batch_size=run_batch, loss=loss)
-    b = run_steps(meta_b, fetches, steps=steps, batch_size=run_batch, loss=loss)
+    a = run_steps(meta_a, fetches, steps=steps, batch_size=run_batch, loss=loss, feed_values=feed_values)
+    b = run_steps(meta_b, fetches, steps=steps, batch_size=run_batch, loss=loss, feed_values=feed_values)
     if loss is not None and not a.losses:
         notes.append(f"{loss} is not in the graph; compared variables only")
         loss = None
     diff = compare(a, b)
     if diff is not None:
-        plain_a = run_steps(meta_a, fetches, steps=steps, batch_size=run_batch, loss=loss, optimize=False)
-        plain_b = run_steps(meta_b, fetches, steps=steps, batch_size=run_batch, loss=loss, optimize=False)
+        plain_a = run_steps(meta_a, fetches, steps=steps, batch_size=run_batch, loss=loss, optimize=False,
+                            feed_values=feed_values)
+        plain_b = run_steps(meta_b, fetches, steps=steps, batch_size=run_batch, loss=loss, optimize=False,
+                            feed_values=feed_values)
         if compare(plain_a, plain_b) is None:
             notes.append("run as written (Grappler's graph optimizations off) the two graphs are bit-identical: the "
                          "difference comes from Grappler optimizing the rewritten graph differently (a fusion or "
