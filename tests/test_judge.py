@@ -211,6 +211,9 @@ def test_the_judges_runs_are_told_under_both_limits():
     failed = _stand_in_line({"limit_bytes": 20 * MIB, "runs": 3, "steps": 2, "fits": False, "peak_in_use_bytes": None,
                              "failure": "under 19.00 MiB: out of memory", "headroom_limit_bytes": 19 * MIB})
     assert failed.startswith("3 run(s) of 2 step(s) under 19.00 MiB: under 19.00 MiB")
+    fed = _stand_in_line({"limit_bytes": 20 * MIB, "runs": 10, "steps": 2, "fits": True, "peak_in_use_bytes": None,
+                          "failure": None, "headroom_limit_bytes": 19 * MIB, "feeds": {"lengths": 64, "train": True}})
+    assert fed == "5 run(s) of 2 step(s) under 19.00 MiB and 5 under 20.00 MiB fed lengths=64, train=true: trained"
     late = _stand_in_line({"limit_bytes": 20 * MIB, "runs": 6, "steps": 2, "fits": False, "peak_in_use_bytes": None,
                            "failure": "out of memory under 20 MiB", "headroom_limit_bytes": 19 * MIB})
     assert late.startswith("5 run(s) of 2 step(s) under 19.00 MiB and 1 under 20.00 MiB: out of memory")

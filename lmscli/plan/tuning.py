@@ -354,7 +354,8 @@ def _checked_tune(prepared: Prepared, device: Device, options: TuneOptions, chec
                                            "runs_per_limit": judge_runs(prepared),
                                            "steps": STAND_IN_JUDGE_STEPS, "fits": verdict.fits,
                                            "peak_in_use_bytes": verdict.peak_bytes, "failure": verdict.message,
-                                           "headroom_limit_bytes": verdict.headroom_limit_bytes}
+                                           "headroom_limit_bytes": verdict.headroom_limit_bytes,
+                                           "feeds": dict(prepared.stand_in.feed_values)}
                     search.note = verdict.message
                     search.oom_node = verdict.oom_node if not verdict.fits else None
                 result = replace(result, plan=replace(result.plan, predicted=figures))

@@ -332,6 +332,9 @@ def _stand_in_line(real: dict) -> str:
         first = min(real["runs"], real.get("runs_per_limit", STAND_IN_JUDGE_RUNS))
         runs = (f"{first} run(s) of {real['steps']} step(s) under {format_size(real['headroom_limit_bytes'])}"
                 + (f" and {real['runs'] - first} under {limit}" if real["runs"] > first else ""))
+    if real.get("feeds"):  # (--feed: prove it with the same values)
+        runs += " fed " + ", ".join(f"{name}={str(v).lower() if isinstance(v, bool) else v}"
+                                    for name, v in sorted(real["feeds"].items()))
     if real["fits"]:
         peak = real.get("peak_in_use_bytes")
         return f"{runs}: trained" + (f", allocator peak {format_size(peak)} in use under {limit}" if peak else "")
