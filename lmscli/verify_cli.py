@@ -295,10 +295,10 @@ def _integer_note(model, feed_values=None) -> None:
     no --feed): QA r47, a GRU's sequence lengths, so its loop ran once and its need was measured at
     11 MiB of 37 with no word. A --feed naming no placeholder of the step is an error here, before
     any run."""
-    from lmscli.prove.steps import feeds, import_graph, unbounded_integers
+    from lmscli.prove.steps import check_feeds, import_graph, unbounded_integers
 
     placeholders = import_graph(model.meta_graph, list(model.fetches)).placeholders
-    feeds(placeholders, 1, 0, feed_values)
+    check_feeds(placeholders, feed_values)
     names = unbounded_integers(placeholders, feed_values or {})
     if names:
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")

@@ -66,8 +66,8 @@ from lmscli.errors import InputError, LmsError
 from lmscli.prove._server import FIRST_REGION, is_child, kill_child
 from lmscli.emit.rewriter import is_lms_node
 from lmscli.tfimport import tensorflow
-from lmscli.prove.steps import (GPU_COPY_OPS, StepRun, _check_cpu_kernels, compare, default_loss, failed_run, feeds,
-                                import_graph, map_gpu_ops)
+from lmscli.prove.steps import (GPU_COPY_OPS, StepRun, _check_cpu_kernels, check_feeds, compare, default_loss,
+                                failed_run, feeds, import_graph, map_gpu_ops)
 from lmscli.prove.steps import error_line as _error_line
 from lmscli.prove.steps import oom_node as _oom_node
 from lmscli.units import format_size
@@ -568,7 +568,7 @@ def _prepare(meta_graph, fetches, loss: str | None, feed_values: dict | None = N
         raise failed_run(exc) from None
     produced = [] if imported.variables else [t for op in imported.targets for t in op.outputs
                                               if t.dtype.is_numpy_compatible]
-    feeds(imported.placeholders, 1, 0, feed_values)  # (a --feed naming no placeholder fails before any run)
+    check_feeds(imported.placeholders, feed_values)  # (a --feed naming no placeholder fails before any run)
     return _Prepared(imported, produced, {}, feed_values)
 
 

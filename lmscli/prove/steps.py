@@ -309,6 +309,17 @@ def feeds(placeholders, batch_size: int, step: int, feed_values: dict | None = N
     return feed
 
 
+def check_feeds(placeholders, feed_values: dict | None) -> None:
+    """``feed_values`` (``--feed``) name placeholders of the imported graph, with values their types
+    hold; else an input error (before any run; no value is made)."""
+    from lmscli.graph.fed import checked
+
+    _check_feed_names(placeholders, feed_values or {})
+    for op in placeholders:
+        if op.name in (feed_values or {}):
+            checked(op.name, feed_values[op.name], op.outputs[0].dtype)
+
+
 def _check_feed_names(placeholders, feed_values: dict) -> None:
     names = {op.name for op in placeholders}
     unknown = sorted(set(feed_values) - names)
