@@ -261,7 +261,7 @@ def _check_fed(view: GraphView, feed_values: dict) -> None:
     from lmscli.graph.fed import checked
     from lmscli.tfimport import tensorflow
 
-    names = sorted(view.names[i] for i in range(view.size) if view.ops[i] == "Placeholder")
+    names = sorted(view.names[i] for i in range(view.size) if view.ops[i] in ("Placeholder", "PlaceholderWithDefault"))
     unknown = sorted(set(feed_values) - set(names))
     if unknown:
         listed = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
@@ -652,8 +652,10 @@ def _dead_notes(prepared: Prepared) -> tuple[str, ...]:
 def _branch_notes(prepared: Prepared) -> tuple[str, ...]:
     if not prepared.untaken:
         return ()
-    return (f"a step runs one branch of each cond: the smaller branches ({len(prepared.untaken)} op(s)) are left "
-            "out of the schedule, and tensors read in them are never swapped (the larger branches are planned: "
+    which, kept = (("the branches the --feed values do not take (else the smaller ones)", "the others")
+                   if prepared.view.fed else ("the smaller branches", "the larger branches"))
+    return (f"a step runs one branch of each cond: {which} ({len(prepared.untaken)} op(s)) are left "
+            f"out of the schedule, and tensors read in them are never swapped ({kept} are planned: "
             "swap-ins there are triggered from the same branch or from before the cond)",)
 
 

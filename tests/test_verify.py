@@ -578,3 +578,35 @@ def test_feed_gives_a_sequence_length_its_value(tmp_path, runner):
     with StandIn() as alone, StandIn(feed_values={"lengths": 64}) as fed_in:
         assert alone.run(model.meta_graph, model.fetches, 8 << 20, runs=1, values=False).fits
         assert not fed_in.run(model.meta_graph, model.fetches, 8 << 20, runs=1, values=False).fits
+
+
+@pytest.mark.parametrize("control_flow_v2", [False, True])
+def test_fed_values_decide_loop_counts_and_cond_branches(tmp_path, runner, control_flow_v2):
+    """QA r48: a loop bounded by a fed scalar (``i < n``) was counted once (TensorFlow fetches no
+    tensor it is fed, so the bound "could not be computed"), and a cond on a fed bool was planned
+    with its larger branch. Both now follow --feed, with control flow v1 and v2; a
+    PlaceholderWithDefault can be fed too."""
+    from tests.conftest import v1_training_graph
+
+    path = tmp_path / "fed.meta"
+    with v1_training_graph(path, control_flow_v2=control_flow_v2) as (tf, v1, graph):
+        n = v1.placeholder(tf.int32, [], name="n")
+        wide = v1.placeholder(tf.bool, [], name="wide")
+        x = v1.placeholder_with_default(tf.ones([64, 512]) * 0.1, [64, 512], name="x")
+        w = v1.get_variable("w", [512, 512], initializer=v1.glorot_uniform_initializer(seed=1))
+        _, h = v1.while_loop(lambda i, h: i < n, lambda i, h: (i + 1, tf.tanh(tf.matmul(h, w))), [tf.constant(0), x])
+        y = v1.cond(wide, lambda: tf.reduce_mean(tf.nn.relu(tf.tile(h, [8, 8]))), lambda: tf.reduce_mean(h))
+        graph.loss = y
+
+    def peak(*feeds):
+        args = [a for f in feeds for a in ("--feed", f)]
+        done = invoke(runner, "analyze", path, "--json", *args)
+        assert done.exit_code == 0, done.output
+        return json.loads(done.stdout)["peak_bytes"]
+
+    # 50 iterations keep 50 of the loop's 128 KiB states for the gradient; the wide branch's 8 MiB tiles
+    assert peak("n=50", "wide=false") - peak("n=2", "wide=false") > 5 << 20
+    assert peak("n=2", "wide=true") - peak("n=2", "wide=false") > 8 << 20
+    assert peak("n=2", "wide=true", "x=0.5") == peak("n=2", "wide=true")
+    wrong = invoke(runner, "analyze", path, "--feed", "wide=2")
+    assert wrong.exit_code == 1 and "takes true or false" in wrong.stderr

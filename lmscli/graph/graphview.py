@@ -328,7 +328,8 @@ class GraphView:
     def untaken_branches(self, nodes: Iterable[int]) -> frozenset:
         """Of each v1 cond among ``nodes`` with ops in both branches, the nodes of the branch with
         fewer output bytes (the true branch is kept on a tie): a step runs one branch, and
-        counting the larger one is an upper bound for either."""
+        counting the larger one is an upper bound for either. When the predicate is known from the
+        values the steps are fed (``fed``: ``--feed is_training=false``), the branch not taken."""
         tags = self.branch_tags()
         members: dict[tuple, set[int]] = {}
         for i in nodes:
@@ -341,9 +342,19 @@ class GraphView:
         drop: set[int] = set()
         for pred in sorted({pred for pred, _port in members}):
             false, true = members.get((pred, 0), set()), members.get((pred, 1), set())
-            if false and true:
+            taken = self._fed_predicate(pred) if self.fed else None
+            if taken is not None:
+                drop |= false if taken else true
+            elif false and true:
                 drop |= false if size(false) <= size(true) else true
         return frozenset(drop)
+
+    def _fed_predicate(self, pred: tuple[int, int]) -> bool | None:
+        """A cond's predicate tensor as the values fed make it (None: not known from them)."""
+        from lmscli.graph.loopvalues import value_before_the_step
+
+        value = value_before_the_step(self, *pred)
+        return None if value is None else bool(value)
 
     def ancestors(self, roots: Iterable[int]) -> set[int]:
         """All nodes that ``roots`` depend on (data or control), roots included."""

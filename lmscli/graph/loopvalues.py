@@ -93,6 +93,7 @@ def value_before_the_step(view: GraphView, node: int, output: int):
     return evaluator._const(node) if view.ops[node] == "Const" else evaluator._run(node, output)
 
 
+FEEDABLE = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})  # ops --feed can give a value
 VALUE_LEAVES = frozenset({"Placeholder", "PlaceholderWithDefault", "PlaceholderV2", "VarHandleOp", "VariableV2",
                           "Variable", "ReadVariableOp"})
 
@@ -113,8 +114,7 @@ def _reads_values(view: GraphView, node: int, fed=()) -> bool:
         if i in seen:
             continue
         seen.add(i)
-        if view.ops[i] in VALUE_LEAVES and not (view.names[i] in fed and view.ops[i] in ("Placeholder",
-                                                                                       "PlaceholderV2")):
+        if view.ops[i] in VALUE_LEAVES and not (view.names[i] in fed and view.ops[i] in FEEDABLE):
             return True
         if view.ops[i] in SHAPE_OPS:
             continue
@@ -166,6 +166,8 @@ class Evaluator:
 
         tf = tensorflow()
         view = self.view
+        if view.ops[node] in FEEDABLE and view.names[node] in view.fed:
+            return view.fed[view.names[node]]  # (a fed value fills its shape; TensorFlow fetches no fed tensor)
         needed = view.ancestors([node])
         if any(view.frames[i] for i in needed) or _reads_values(view, node, view.fed):
             return None
@@ -180,7 +182,7 @@ class Evaluator:
                 tf.compat.v1.import_graph_def(graph_def, name="")
             feeds = {}
             for op in graph.get_operations():
-                if op.type in ("Placeholder", "PlaceholderV2"):
+                if op.type in ("Placeholder", "PlaceholderV2") or (op.type in FEEDABLE and op.name in view.fed):
                     t = op.outputs[0]
                     if t.shape.rank is None:
                         return None
@@ -191,7 +193,7 @@ class Evaluator:
         except Exception:
             return None
         value = np.asarray(value)
-        return value.item() if value.size == 1 and np.issubdtype(value.dtype, np.number) else None
+        return value.item() if value.size == 1 and (np.issubdtype(value.dtype, np.number) or value.dtype == bool) else None
 
 
 # Scalar ops a loop's counter-driven values are made of (numpy's functions of the same names

@@ -302,7 +302,7 @@ def feeds(placeholders, batch_size: int, step: int, feed_values: dict | None = N
         if op.name in feed_values:
             feed[t] = given_value(op.name, feed_values[op.name], t.shape, t.dtype, batch_size)
             continue
-        if t.shape.rank is None or not t.dtype.is_numpy_compatible or t.dtype.name == "string":
+        if op.type != "Placeholder" or t.shape.rank is None or not t.dtype.is_numpy_compatible or t.dtype.name == "string":
             continue  # (a SavedModel's checkpoint path, for one, is no input of the step)
         bound = integer_bounds(op) if t.dtype.is_integer else None
         feed[t] = _feed_value(op.name, t.shape.as_list(), t.dtype, batch_size, step, bound)
@@ -341,7 +341,8 @@ def unbounded_integers(placeholders, given=()) -> list[str]:
     """The integer placeholders fed 0 and 1 for want of a size they index (a sequence length, a
     count) and not ``given`` a value (``--feed``): a loop they bound runs at most once, and a
     figure measured with them is that step's."""
-    return sorted(op.name for op in placeholders if op.outputs[0].dtype.is_integer and op.name not in given
+    return sorted(op.name for op in placeholders if op.type == "Placeholder" and op.outputs[0].dtype.is_integer
+                  and op.name not in given
                   and op.outputs[0].shape.rank is not None and integer_bounds(op) is None)
 
 
@@ -354,7 +355,7 @@ class Imported:
     variables: list  # tf.Variables, and value tensors of the variables no collection names
     targets: list
     loss: object
-    placeholders: list
+    placeholders: list  # Placeholder ops, and PlaceholderWithDefault ops (fed only a --feed value)
     init_feed: dict = None  # values for the variables without an initializer (fed to ``init``)
     variable_names: tuple = ()  # per entry of ``variables``: the variable's name ("w:0")
 
@@ -444,8 +445,9 @@ def import_graph(meta, fetches, loss: str | None = None) -> Imported:
                 loss_tensor = graph.get_tensor_by_name(loss)
             except (KeyError, ValueError):
                 loss_tensor = None
+        # (a PlaceholderWithDefault is fed only a value the user gives: --feed)
         placeholders = [op for op in graph.get_operations()
-                        if op.type == "Placeholder" and not op.name.startswith(INIT_SCOPE + "/")]
+                        if op.type in ("Placeholder", "PlaceholderWithDefault") and not op.name.startswith(INIT_SCOPE + "/")]
         step = targets + [t.op for t in variables] + ([loss_tensor.op] if loss_tensor is not None else [])
         _one_at_a_time(init, step)
     return Imported(graph, init, variables, targets, loss_tensor, placeholders, init_feed, names)

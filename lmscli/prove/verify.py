@@ -116,7 +116,8 @@ def _figures(model, fetches, batch_size, measure: bool, notes: list, label: str,
     model = api.Model(model.path, model.format, meta, tuple(fetches), model.fetch_source, list(model.notes))
     # Measured as written (Grappler off), from the step's own allocation records: the runtime's
     # folded constants are made with the executors, before the step, so they are not counted.
-    prepared = api.prepare(model, batch_size=batch_size, prune_dead=False, runtime_folding=False)
+    prepared = api.prepare(model, batch_size=batch_size, prune_dead=False, runtime_folding=False,
+                           feed_values=feed_values)
     # Only what the step runs: a Keras model's unused Input placeholder needs no size (QA).
     runs = {name for sched in (prepared.schedules or (prepared.schedule,)) for name in sched.names}
     unknown = [name for name in _unknown_placeholders(prepared.graph_def) if name in runs]
