@@ -90,7 +90,8 @@ def trip_counts(view: GraphView) -> dict[str, Loop]:
     # A gradient loop pops what a forward loop pushed: it runs as many iterations.
     stacks = pushes_and_pops(view)
     for pushes, pops in stacks.values():
-        known = [out[view.frames[p]] for p in pushes if out.get(view.frames[p]) and out[view.frames[p]].trips]
+        known = [out[view.frames[p]] for p in pushes
+                 if out.get(view.frames[p]) and out[view.frames[p]].trips is not None]
         for p in pops:
             frame = view.frames[p]
             if known and frame and (frame not in out or out[frame].trips is None):
@@ -234,11 +235,12 @@ def notes(view: GraphView, active, loops: dict[str, Loop]) -> tuple[str, ...]:
     frames = sorted({view.frames[i] for i in active if view.frames[i]})
     if not frames:
         return ()
-    known = [loops[f] for f in frames if f in loops and loops[f].trips]
-    unknown = [f for f in frames if f not in loops or not loops[f].trips]
+    known = [loops[f] for f in frames if f in loops and loops[f].trips is not None]
+    unknown = [f for f in frames if f not in loops or loops[f].trips is None]
     parts = []
-    if known:
-        parts.append("; ".join(f"{loop.frame}: {loop.trips} iterations ({loop.how})" for loop in known[:4])
+    if known:  # (a loop that runs 0 times, --feed n=0, is still counted for one iteration: an upper bound)
+        parts.append("; ".join(f"{loop.frame}: {loop.trips} iterations ({loop.how}"
+                               + ("; counted as one" if not loop.trips else "") + ")" for loop in known[:4])
                      + ("; ..." if len(known) > 4 else ""))
     line = (f"the step runs {len(frames)} while loop(s), each body counted once, with what it keeps across "
             "iterations (gradient stacks, TensorArrays) times its trip count")
