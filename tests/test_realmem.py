@@ -226,10 +226,13 @@ def test_the_verdict_says_when_the_run_under_the_limit_differs_from_the_rewrites
     """QA r40: verify printed "rewritten: trains at 26.00 MiB, bit-identical" while a note said the
     rewrite's results under the limit differed from its own without one (another allocator: other
     buffer addresses, other code paths in some kernels). The verdict says so itself, and the JSON
-    document carries the difference; identical runs keep the plain verdict."""
+    document carries the difference; identical runs keep the plain verdict. The runs "without a
+    limit" are given one region of REFERENCE_REGION bytes, as the limited runs are (QA r48: three of
+    four new graphs computed their last bits differently with TensorFlow's growing allocator), or
+    no limit at all when the step needs more."""
     import numpy as np
 
-    from lmscli.prove.realmem import prove_at_limit
+    from lmscli.prove.realmem import REFERENCE_REGION, prove_at_limit
     from lmscli.prove.standin import StepVerdict
     from lmscli.prove.steps import StepRun
 
@@ -239,12 +242,14 @@ def test_the_verdict_says_when_the_run_under_the_limit_differs_from_the_rewrites
     original, rewritten = (api.load(str(SAMPLES / "mlp.meta")) for _ in range(2))
 
     class StandIn:
-        def __init__(self, squeezed: float):
-            self.squeezed = squeezed
+        def __init__(self, squeezed: float, huge: bool = False):
+            self.squeezed, self.huge, self.limits = squeezed, huge, []
 
         def run(self, meta, fetches, limit, **_):
-            fits = limit is None or meta is rewritten.meta_graph
-            result = (run(0.5) if limit is None else run(self.squeezed)) if fits else None
+            self.limits.append(limit)
+            unlimited = limit is None or (limit >= REFERENCE_REGION and not self.huge)
+            fits = unlimited or meta is rewritten.meta_graph
+            result = (run(0.5) if unlimited else run(self.squeezed)) if fits else None
             return StepVerdict(fits, limit, 1, 0 if fits else 1, False, None, None, result, 0.0)
 
     differs = prove_at_limit(original, rewritten, 12 * MIB, loss="loss:0", stand_in=StandIn(0.50000006))
@@ -254,6 +259,12 @@ def test_the_verdict_says_when_the_run_under_the_limit_differs_from_the_rewrites
     assert differs.to_dict()["limited_difference"] == differs.limited_difference
     same = prove_at_limit(original, rewritten, 12 * MIB, loss="loss:0", stand_in=StandIn(0.5))
     assert same.line().endswith("rewritten: trains at 12.00 MiB, bit-identical") and same.limited_difference is None
+    fake = StandIn(0.5)
+    prove_at_limit(original, rewritten, 12 * MIB, loss="loss:0", stand_in=fake)
+    assert fake.limits == [12 * MIB, REFERENCE_REGION, 12 * MIB, REFERENCE_REGION]
+    big = StandIn(0.5, huge=True)  # (a step needing more than the region: run with no limit at all)
+    prove_at_limit(original, rewritten, 12 * MIB, loss="loss:0", stand_in=big)
+    assert big.limits == [12 * MIB, REFERENCE_REGION, None, 12 * MIB, REFERENCE_REGION]
 
 
 def test_measure_explains_a_varying_need():
