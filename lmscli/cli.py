@@ -281,6 +281,19 @@ def _no_fit_json(schema: str, as_json: bool, verbose: bool = False):
         raise
 
 
+def _whole_mib_note(device, stand_in: bool, quiet: bool) -> None:
+    """With --stand-in, say on stderr (unless -q) that a --gpu-mem of a fraction of a MiB is judged
+    under the whole MiB below it, as the stand-in's allocator takes its limit (QA r48: 4.5MiB was
+    judged and proven under 4 MiB, and only `lms verify` said so)."""
+    from lmscli.units import format_size
+
+    mib = 1 << 20
+    if stand_in and not quiet and device.gpu_mem % mib and device.gpu_mem > mib:
+        click.echo(f"note: the stand-in's allocator takes its limit in whole MiB: --gpu-mem {format_size(device.gpu_mem)} "
+                   f"is judged under {format_size(device.gpu_mem // mib * mib)} (prove it there with `lms verify "
+                   "--gpu-mem`)", err=True)
+
+
 def _warn_unknown_sizes(prepared, quiet: bool) -> None:
     """Say on stderr (unless -q) when tensors of the step have unknown sizes."""
     from lmscli.analysis import unknown_size_warning
@@ -408,6 +421,7 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
                 prepared = api.for_stand_in(prepared, judge_runs=judge_runs, feed_values=feed_values)
                 link = link or STAND_IN_LINK
             device = _device(prepared, gpu_mem, device_preset, reserve, host_mem, link)
+            _whole_mib_note(device, stand_in, quiet)
         with progress.phase("tuning" + ("" if no_grappler_check else ", then checking the plan with Grappler")), \
                 _no_fit_json("lms.tune", as_json, verbose):
             result = api.tune(prepared, device, options, check=not no_grappler_check)
@@ -508,6 +522,7 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
         if gpu_mem is None and device_preset is None:
             gpu_mem = str(NO_BUDGET)  # manual TFLMS parameters: no budget to meet
         device = _device(prepared, gpu_mem, device_preset, reserve, host_mem, link)
+        _whole_mib_note(device, stand_in, quiet)
         with progress.phase("tuning" + ("" if no_grappler_check else ", then checking the plan with Grappler")), \
                 _no_fit_json("lms.rewrite", as_json, verbose):
             result = api.with_link_predictions(prepared, api.tune(prepared, device, options,

@@ -111,3 +111,18 @@ def test_the_run_search_tries_small_margins_while_nothing_fits():
     fitted.judged(SimpleNamespace(result=SimpleNamespace(peak_bytes=90_000)), 90_000)  # fits (not within 3%)
     assert [fitted.judged(over, 101_000) for _ in range(RUN_ROUNDS)][-1] is None
     assert _RunSearch(budget=100_000, margin=0, ladder=False).ladder() is None
+
+
+def test_a_fraction_of_a_mib_is_judged_under_the_whole_mib_below(capsys):
+    """QA r48: `lms rewrite --stand-in --gpu-mem 4.5MiB` was judged and proven under 4 MiB (the
+    stand-in's allocator takes whole MiB), and only `lms verify` said so."""
+    from lmscli import api
+    from lmscli.cli import _whole_mib_note
+
+    _whole_mib_note(api.make_device(gpu_mem=int(4.5 * 2**20)), stand_in=True, quiet=False)
+    assert "--gpu-mem 4.50 MiB is judged under 4.00 MiB" in capsys.readouterr().err
+    for device, stand_in, quiet in ((api.make_device(gpu_mem=4 << 20), True, False),
+                                    (api.make_device(gpu_mem=int(4.5 * 2**20)), False, False),
+                                    (api.make_device(gpu_mem=int(4.5 * 2**20)), True, True)):
+        _whole_mib_note(device, stand_in=stand_in, quiet=quiet)
+        assert capsys.readouterr().err == ""
