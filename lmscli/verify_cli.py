@@ -195,9 +195,14 @@ def _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, o
         proof = realmem.prove_at_limit(model_a, model_b, limit, steps=steps, runs=runs, batch_size=batch_size,
                                        loss=loss, optimize=optimize, stand_in=stand_in)
     if as_json:
+        from lmscli.prove.steps import default_loss
+
+        ran = proof.rewritten.result or proof.original.result  # (a run that completed: what it compared)
         doc = {"schema": "lms.verify", "version": 1, "identical": proof.identical,
                "first_difference": proof.difference, "first_different_variable": None, "steps": steps,
-               "batch_size": batch_size, "loss": loss, "variables": None, "outputs": None,
+               "batch_size": batch_size, "loss": loss or default_loss(model_a.meta_graph),
+               "variables": len(ran.variables) if ran is not None else None,
+               "outputs": (len(ran.outputs[0]) if ran.outputs else 0) if ran is not None else None,
                "fetches": list(model_a.fetches), "notes": list(proof.notes), "limit": proof.to_dict(),
                "original": {"predicted_bytes": prediction_a.predicted_bytes,
                             "predicted_standin_bytes": prediction_a.predicted_standin_bytes,

@@ -66,6 +66,7 @@ def test_original_runs_out_of_memory_and_the_rewrite_trains_bit_identically(prov
     assert not proof["original"]["fits"] and proof["original"]["oom_node"]
     assert proof["rewritten"]["fits"] and proof["rewritten"]["runs"] == 3 and proof["rewritten"]["failures"] == 0
     assert proof["identical"] is True and doc["identical"] is True
+    assert doc["loss"] and doc["variables"] > 0 and doc["outputs"] == 0  # (QA r48: null under --gpu-mem)
     assert proof["line"].startswith(f"original: out of memory at {limit / MIB:.2f} MiB; rewritten: trains at")
     # (Under the limit the residual MLP's results now and then differ from its own run without one,
     # as another allocator can make them: the verdict then says so.)
