@@ -322,3 +322,34 @@ def test_a_graph_on_several_gpus_is_not_planned_for_the_stand_in(runner, samples
     alone.node.add(name="r", op="ReadVariableOp", input=["v"])
     alone.node.add(name="a", op="Relu", input=["r"], device="/device:GPU:1")
     assert _gpus(alone) == {"/device:GPU:1"}
+
+
+@pytest.mark.slow
+def test_the_run_without_a_limit_computes_what_the_runs_under_one_do(tmp_path):
+    """QA r48: with TensorFlow's growing allocator (no limit at all) a dropout MLP's bias gradients
+    came out differently in their last bits (1.5e-11) from the same graph's runs under any limit,
+    20 MiB and 4 GiB alike (one region, given at the start), so three of four new graphs' proofs
+    read "bit-identical without a limit" only. The proof's runs "without a limit" are given one
+    region too, and compute what the runs under a limit do."""
+    from lmscli.prove.realmem import REFERENCE_REGION
+    from lmscli.prove.standin import StandIn
+    from lmscli.prove.steps import compare
+    from tests.conftest import v1_training_graph
+
+    path = tmp_path / "mlp.meta"
+    with v1_training_graph(path, learning_rate=0.01) as (tf, v1, graph):
+        x = tf.random.normal([1024, 512], seed=1)
+        y = tf.random.uniform([1024], 0, 10, dtype=tf.int32, seed=2)
+        h = x
+        for i, n in enumerate([512, 512, 256]):
+            w = v1.get_variable(f"w{i}", [h.shape[-1], n], initializer=v1.glorot_uniform_initializer(seed=10 + i))
+            b = v1.get_variable(f"b{i}", [n], initializer=v1.zeros_initializer())
+            h = tf.nn.dropout(tf.nn.relu(tf.matmul(h, w) + b), rate=0.1, seed=20 + i)
+        wc = v1.get_variable("wc", [256, 10], initializer=v1.glorot_uniform_initializer(seed=30))
+        graph.loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(h, wc)))
+    model = api.load(str(path))
+    with StandIn() as stand_in:
+        limited, free = (stand_in.run(model.meta_graph, model.fetches, limit, steps=2, runs=1)
+                         for limit in (64 * MIB, REFERENCE_REGION))
+    assert limited.fits and free.fits
+    assert compare(limited.result, free.result) is None
