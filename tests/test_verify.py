@@ -608,5 +608,12 @@ def test_fed_values_decide_loop_counts_and_cond_branches(tmp_path, runner, contr
     assert peak("n=50", "wide=false") - peak("n=2", "wide=false") > 5 << 20
     assert peak("n=2", "wide=true") - peak("n=2", "wide=false") > 8 << 20
     assert peak("n=2", "wide=true", "x=0.5") == peak("n=2", "wide=true")
+
+    def simulated(wide: str) -> int:  # `lms verify`'s figure for the graph as written: one branch too
+        done = invoke(runner, "verify", path, path, "--no-measure", "--json", "--feed", "n=2", "--feed", f"wide={wide}")
+        assert done.exit_code == 0, done.output
+        return json.loads(done.stdout)["original"]["simulated_peak_bytes"]
+
+    assert simulated("true") - simulated("false") > 8 << 20
     wrong = invoke(runner, "analyze", path, "--feed", "wide=2")
     assert wrong.exit_code == 1 and "takes true or false" in wrong.stderr

@@ -129,7 +129,11 @@ def _figures(model, fetches, batch_size, measure: bool, notes: list, label: str,
         notes.append(f"{label}: the graph places ops on {len(prepared.devices)} GPUs ({', '.join(prepared.devices)}); "
                      f"the stand-in device runs them all, so the measured peak covers all of them while the "
                      f"simulated and Grappler peaks are those of {schedule.device}, the GPU that needs the most")
-    simulated = simulate(schedule).peak_bytes
+    # A step runs one branch of each cond (the one --feed takes, else it is counted with the larger):
+    # the graph as written is measured with its dead ops, not with both branches.
+    untaken = prepared.view.untaken_branches(schedule.nodes)
+    simulated = simulate(schedule.without(frozenset(prepared.view.names[i] for i in untaken))
+                         if untaken else schedule).peak_bytes
     try:
         estimate = grappler.estimate_peak(meta, model.fetches)
         grappler_peak = estimate.gpu_peaks.get(schedule.device, estimate.gpu_peak_bytes) + schedule.variable_bytes
