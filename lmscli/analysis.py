@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from lmscli.plan import hoststacks
 from lmscli.plan.candidates import Filters, candidates
 from lmscli.errors import InputError
-from lmscli.graph.graphview import SHAPE_OPS, VARIABLE_OPS, GraphView, TensorInfo
+from lmscli.graph.graphview import PLACEHOLDER_OPS, SHAPE_OPS, VARIABLE_OPS, GraphView, TensorInfo
 from lmscli.loader import Model
 from lmscli.model.schedule import STORAGE_OUTPUT, Schedule, build_schedules, loop_counts, variable_bytes
 from lmscli.model.simulator import SimResult, simulate
@@ -258,17 +258,12 @@ def _filled(tensors: dict, known: dict) -> dict:
 def _check_fed(view: GraphView, feed_values: dict) -> None:
     """A ``--feed`` names a placeholder of the graph and gives a value of its type, else an input
     error (naming the placeholders there are, or what the placeholder takes)."""
-    from lmscli.graph.fed import checked
+    from lmscli.graph.fed import check
     from lmscli.tfimport import tensorflow
 
-    names = sorted(view.names[i] for i in range(view.size) if view.ops[i] in ("Placeholder", "PlaceholderWithDefault"))
-    unknown = sorted(set(feed_values) - set(names))
-    if unknown:
-        listed = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-        raise InputError(f"--feed {unknown[0]}: the graph has no placeholder of that name (its placeholders: "
-                         f"{listed or 'none'})")
-    for name, value in feed_values.items():
-        checked(name, value, tensorflow().as_dtype(view.node_defs[view.index[name]].attr["dtype"].type))
+    tf = tensorflow()
+    check(feed_values, {view.names[i]: tf.as_dtype(view.node_defs[i].attr["dtype"].type)
+                        for i in range(view.size) if view.ops[i] in PLACEHOLDER_OPS})
 
 
 def run_peak(model: Model, meta_graph, optimized, scratch: dict | None = None, order=(),

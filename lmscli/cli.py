@@ -261,10 +261,6 @@ def _load(path, fmt, fetch, tag):
     return api.load(path, fmt=fmt, fetch=fetch.split(",") if fetch else None, tag=tag)
 
 
-def _emit_json(data: dict) -> None:
-    emit_json(data)
-
-
 @contextlib.contextmanager
 def _no_fit_json(schema: str, as_json: bool, verbose: bool = False):
     """With ``--json``, a no-plan answer is a document too (``fits: false`` and ``no_fit``), printed
@@ -276,7 +272,7 @@ def _no_fit_json(schema: str, as_json: bool, verbose: bool = False):
     except NoFitError as exc:
         _log(exc.log, verbose)
         if as_json:
-            _emit_json({"schema": schema, "version": 1, "fits": False, "necessary": True, "plan": None,
+            emit_json({"schema": schema, "version": 1, "fits": False, "necessary": True, "plan": None,
                         "no_fit": exc.to_dict()})
         raise
 
@@ -376,7 +372,7 @@ def analyze(model, fmt, fetch, tag, batch_size, plot, report_file, stand_in, fee
             _write_report(report_file, result.to_dict(), prepared, baseline)
     _log(report.analysis_log_lines(result), verbose)
     if as_json:
-        _emit_json(result.to_dict())
+        emit_json(result.to_dict())
     elif not quiet:
         report.render_analysis(_console(no_color), result, baseline)
 
@@ -441,7 +437,7 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
         if report_file:
             _write_report(report_file, doc, prepared, result)
     if as_json:
-        _emit_json(doc)
+        emit_json(doc)
     elif not quiet:
         console = _console(no_color)
         if batch is not None:
@@ -566,7 +562,7 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
         _log(report.tune_log_lines(result), verbose)
     _log([f"[LMS] {rep.summary()}"], verbose)
     if as_json:
-        _emit_json(doc)
+        emit_json(doc)
     elif not quiet:
         console = _console(no_color)
         report.render_tune(console, shown, details)

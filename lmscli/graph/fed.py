@@ -7,6 +7,25 @@ from __future__ import annotations
 from lmscli.errors import InputError
 
 
+def check(feed_values: dict, dtypes: dict) -> None:
+    """``feed_values`` name placeholders of ``dtypes`` (placeholder name -> its TensorFlow type) and
+    give values of their types, else an input error naming the placeholders there are, or what
+    the placeholder takes."""
+    unknown = sorted(set(feed_values) - set(dtypes))
+    if unknown:
+        names = sorted(dtypes)
+        listed = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        raise InputError(f"--feed {unknown[0]}: the graph has no placeholder of that name (its placeholders: "
+                         f"{listed or 'none'})")
+    for name, value in feed_values.items():
+        checked(name, value, dtypes[name])
+
+
+def shown(value) -> str:
+    """A --feed value as written on the command line (``true``, not ``True``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def checked(name: str, value, dtype):
     """``value`` (a bool, int or float) if a placeholder of TensorFlow type ``dtype`` can hold it
     exactly, else an input error saying what it takes (``2.5`` is no sequence length)."""
@@ -19,10 +38,10 @@ def checked(name: str, value, dtype):
     if dtype.is_integer:
         if isinstance(value, (bool, float)) or not dtype.min <= value <= dtype.max:
             raise InputError(f"--feed {name}: a placeholder of type {dtype.name} takes an integer within its range, "
-                             f"not {str(value).lower() if isinstance(value, bool) else value}")
+                             f"not {shown(value)}")
         return int(value)
     if isinstance(value, bool):
-        raise InputError(f"--feed {name}: a placeholder of type {dtype.name} takes a number, not {str(value).lower()}")
+        raise InputError(f"--feed {name}: a placeholder of type {dtype.name} takes a number, not {shown(value)}")
     return value
 
 

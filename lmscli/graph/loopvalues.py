@@ -5,7 +5,7 @@ memory model (:mod:`lmscli.model.loops`) and the host stacks (:mod:`lmscli.plan.
 
 from __future__ import annotations
 
-from lmscli.graph.graphview import SHAPE_OPS, GraphView
+from lmscli.graph.graphview import PLACEHOLDER_OPS, SHAPE_OPS, GraphView
 
 PUSH_OPS = frozenset({"StackPushV2", "StackPush", "TensorListPushBack"})
 POP_OPS = frozenset({"StackPopV2", "StackPop", "TensorListPopBack"})
@@ -93,7 +93,6 @@ def value_before_the_step(view: GraphView, node: int, output: int):
     return evaluator._const(node) if view.ops[node] == "Const" else evaluator._run(node, output)
 
 
-FEEDABLE = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})  # ops --feed can give a value
 VALUE_LEAVES = frozenset({"Placeholder", "PlaceholderWithDefault", "PlaceholderV2", "VarHandleOp", "VariableV2",
                           "Variable", "ReadVariableOp"})
 
@@ -114,7 +113,7 @@ def _reads_values(view: GraphView, node: int, fed=()) -> bool:
         if i in seen:
             continue
         seen.add(i)
-        if view.ops[i] in VALUE_LEAVES and not (view.names[i] in fed and view.ops[i] in FEEDABLE):
+        if view.ops[i] in VALUE_LEAVES and not (view.names[i] in fed and view.ops[i] in PLACEHOLDER_OPS):
             return True
         if view.ops[i] in SHAPE_OPS:
             continue
@@ -166,7 +165,7 @@ class Evaluator:
 
         tf = tensorflow()
         view = self.view
-        if view.ops[node] in FEEDABLE and view.names[node] in view.fed:
+        if view.ops[node] in PLACEHOLDER_OPS and view.names[node] in view.fed:
             return view.fed[view.names[node]]  # (a fed value fills its shape; TensorFlow fetches no fed tensor)
         needed = view.ancestors([node])
         if any(view.frames[i] for i in needed) or _reads_values(view, node, view.fed):
@@ -182,7 +181,7 @@ class Evaluator:
                 tf.compat.v1.import_graph_def(graph_def, name="")
             feeds = {}
             for op in graph.get_operations():
-                if op.type in ("Placeholder", "PlaceholderV2") or (op.type in FEEDABLE and op.name in view.fed):
+                if op.type in ("Placeholder", "PlaceholderV2") or (op.type in PLACEHOLDER_OPS and op.name in view.fed):
                     t = op.outputs[0]
                     if t.shape.rank is None:
                         return None

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lmscli.errors import InputError, LmsError
-from lmscli.graph.graphview import parse_input
+from lmscli.graph.graphview import PLACEHOLDER_OPS, parse_input
 from lmscli.emit.rewriter import is_lms_node
 from lmscli.tfimport import tensorflow
 
@@ -293,14 +293,16 @@ def rewrite_batch_size(original, rewritten, batch_size: int | None) -> int | Non
 def feeds(placeholders, batch_size: int, step: int, feed_values: dict | None = None) -> dict:
     """The same random values for a placeholder name and step in every graph (an integer one in
     the range it indexes, :func:`integer_bounds`); a placeholder named in ``feed_values`` (the
-    user's ``--feed NAME=VALUE``) is filled with that value instead (:func:`given_value`)."""
+    user's ``--feed NAME=VALUE``) is filled with that value instead (:func:`lmscli.graph.fed.filled`)."""
+    from lmscli.graph.fed import filled
+
     feed_values = feed_values or {}
-    _check_feed_names(placeholders, feed_values)
+    check_feeds(placeholders, feed_values)
     feed = {}
     for op in placeholders:
         t = op.outputs[0]
         if op.name in feed_values:
-            feed[t] = given_value(op.name, feed_values[op.name], t.shape, t.dtype, batch_size)
+            feed[t] = filled(op.name, feed_values[op.name], t.shape, t.dtype, batch_size)
             continue
         if op.type != "Placeholder" or t.shape.rank is None or not t.dtype.is_numpy_compatible or t.dtype.name == "string":
             continue  # (a SavedModel's checkpoint path, for one, is no input of the step)
@@ -312,29 +314,9 @@ def feeds(placeholders, batch_size: int, step: int, feed_values: dict | None = N
 def check_feeds(placeholders, feed_values: dict | None) -> None:
     """``feed_values`` (``--feed``) name placeholders of the imported graph, with values their types
     hold; else an input error (before any run; no value is made)."""
-    from lmscli.graph.fed import checked
+    from lmscli.graph.fed import check
 
-    _check_feed_names(placeholders, feed_values or {})
-    for op in placeholders:
-        if op.name in (feed_values or {}):
-            checked(op.name, feed_values[op.name], op.outputs[0].dtype)
-
-
-def _check_feed_names(placeholders, feed_values: dict) -> None:
-    names = {op.name for op in placeholders}
-    unknown = sorted(set(feed_values) - names)
-    if unknown:
-        listed = ", ".join(sorted(names)[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-        raise InputError(f"--feed {unknown[0]}: no placeholder of that name feeds the step "
-                         f"(its placeholders: {listed or 'none'})")
-
-
-def given_value(name: str, value, shape, dtype, batch_size: int) -> np.ndarray:
-    """``value`` from ``--feed NAME=VALUE`` filling placeholder ``name``'s shape
-    (:func:`lmscli.graph.fed.filled`)."""
-    from lmscli.graph.fed import filled
-
-    return filled(name, value, shape, dtype, batch_size)
+    check(feed_values or {}, {op.name: op.outputs[0].dtype for op in placeholders})
 
 
 def unbounded_integers(placeholders, given=()) -> list[str]:
@@ -447,7 +429,7 @@ def import_graph(meta, fetches, loss: str | None = None) -> Imported:
                 loss_tensor = None
         # (a PlaceholderWithDefault is fed only a value the user gives: --feed)
         placeholders = [op for op in graph.get_operations()
-                        if op.type in ("Placeholder", "PlaceholderWithDefault") and not op.name.startswith(INIT_SCOPE + "/")]
+                        if op.type in PLACEHOLDER_OPS and not op.name.startswith(INIT_SCOPE + "/")]
         step = targets + [t.op for t in variables] + ([loss_tensor.op] if loss_tensor is not None else [])
         _one_at_a_time(init, step)
     return Imported(graph, init, variables, targets, loss_tensor, placeholders, init_feed, names)

@@ -333,8 +333,9 @@ def _stand_in_line(real: dict) -> str:
         runs = (f"{first} run(s) of {real['steps']} step(s) under {format_size(real['headroom_limit_bytes'])}"
                 + (f" and {real['runs'] - first} under {limit}" if real["runs"] > first else ""))
     if real.get("feeds"):  # (--feed: prove it with the same values)
-        runs += " fed " + ", ".join(f"{name}={str(v).lower() if isinstance(v, bool) else v}"
-                                    for name, v in sorted(real["feeds"].items()))
+        from lmscli.graph.fed import shown
+
+        runs += " fed " + ", ".join(f"{name}={shown(v)}" for name, v in sorted(real["feeds"].items()))
     if real["fits"]:
         peak = real.get("peak_in_use_bytes")
         return f"{runs}: trained" + (f", allocator peak {format_size(peak)} in use under {limit}" if peak else "")
