@@ -373,30 +373,33 @@ class GraphView:
         return [i for i in range(self.size) if not self.consumers[i] and not self.control_consumers[i]]
 
     # ------------------------------------------------------------------ tensors
-    def with_tensors(self, tensors: dict[str, Sequence[TensorInfo]]) -> "GraphView":
-        """The same structure with tensor facts attached (no structural work is redone)."""
+    def _copy(self, recount_loops: bool = False) -> "GraphView":
+        """The same structure (no structural work is redone); ``recount_loops``: without the loops'
+        counts and storage (:mod:`lmscli.model.schedule` sizes and counts them by shapes and fed
+        values)."""
         other = object.__new__(GraphView)
         other.__dict__.update(self.__dict__)
-        for key in ("_loop_storage", "_loop_counts", "_loop_trips"):  # (lmscli.model.schedule: sized or counted by shapes)
+        for key in ("_loop_storage", "_loop_counts", "_loop_trips") if recount_loops else ():
             other.__dict__.pop(key, None)
+        return other
+
+    def with_tensors(self, tensors: dict[str, Sequence[TensorInfo]]) -> "GraphView":
+        """The same structure with tensor facts attached (no structural work is redone)."""
+        other = self._copy(recount_loops=True)
         other._tensors = {k: tuple(v) for k, v in tensors.items()}
         return other
 
     def with_fed(self, values: dict) -> "GraphView":
         """The same graph whose placeholders named in ``values`` are fed those values (filling their
         shapes): loops bounded by them are counted by them (QA r47: a sequence length)."""
-        other = object.__new__(GraphView)
-        other.__dict__.update(self.__dict__)
-        for key in ("_loop_storage", "_loop_counts", "_loop_trips"):  # (counted again, from the values)
-            other.__dict__.pop(key, None)
+        other = self._copy(recount_loops=True)
         other.fed = dict(values)
         return other
 
     def with_runtime_constants(self, pairs) -> "GraphView":
         """The same graph whose outputs ``pairs`` (``(node, output)``) the runtime holds as
         constants: resident, and read by no op (the ops that made them still run)."""
-        other = object.__new__(GraphView)
-        other.__dict__.update(self.__dict__)
+        other = self._copy()
         other.runtime_constants = frozenset(pairs)
         return other
 
