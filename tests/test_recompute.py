@@ -100,6 +100,29 @@ def test_a_recomputation_frees_the_gap_and_costs_its_clones_time():
     assert made.swap_out_bytes == 0 and made.host_peak_bytes == 0 and made.recompute_bytes == 1000
 
 
+def test_a_far_consumer_writing_over_a_recomputed_tensor_in_place_writes_over_its_clone():
+    """The executor model: an op that reuses its input's buffer in place (``Square`` over the
+    GELU's inner product in its gradient) reads the clone when the tensor is made again, so it
+    writes over the clone, and the original buffer is gone after the near consumer. Before, the
+    model kept the original to the end of that in-place chain, and a transformer's recompute-only
+    plan stopped at half its peak with every GELU tensor "made again" still held."""
+    from lmscli.model.schedule import Schedule, SimTensor
+
+    # a -> t0 (1000 B) read by b and e; b -> t1 -> c -> t2 (800 B) -> d -> t3; e = Relu(t0) in place -> f.
+    sched = Schedule(nodes=(0, 1, 2, 3, 4, 5), names=("a", "b", "c", "d", "e", "f"), ops=("Relu",) * 6,
+                     levels=(0, 1, 2, 3, 4, 5), compute=(10,) * 6, on_gpu=(True,) * 6,
+                     tensors=(SimTensor(0, 0, 0, 1000, (1, 4)), SimTensor(1, 1, 0, 10, (2,)),
+                              SimTensor(2, 2, 0, 800, (3,)), SimTensor(3, 3, 0, 10, (5,)),
+                              SimTensor(4, 4, 0, 1000, (5,)), SimTensor(5, 5, 0, 10, ())),
+                     inputs=((), (0,), (1,), (2,), (0,), (3, 4)), variable_bytes=0,
+                     constant_bytes=0).with_memory_model("executor")
+    assert sched.shares[4] == 0 and sched.in_place[4]  # e writes over t0 (its last reader)
+    again = SimSwap(0, (1,), (SwapIn((4,), 3),), kind="recompute", cost=4, chain=(0,))
+    made = simulate(sched, [again])
+    assert made.memory_by_position[2] == 256 + 1024  # while c runs: t1 and t2, t0 gone
+    assert made.memory_by_position[4] == 1024 + 256  # e writes over the clone, beside t3
+
+
 def test_a_source_the_clones_read_is_held_until_they_have_run():
     """The simulator keeps a tensor the clones read until they have run, though the step itself
     had no use for it after the original op: its buffer counts in between."""
@@ -491,3 +514,5 @@ def test_attention_scores_are_made_again_from_queries_and_keys_kept_for_them(tmp
         assert all(schedule.tensors[s].num_bytes <= schedule.tensors[made].num_bytes // 2 for s in sources)
     new_graph, _ = api.rewrite(prepared, result.plan)
     _identical(model, new_graph)
+
+

@@ -440,7 +440,8 @@ def _executor_events(schedule, swap_of, start, end, out_start, out_end, in_start
             if key is None:
                 continue  # shares a resident buffer through a chain
             source = swap_of.get(link)
-            if source is not None and not in_place[t.id]:  # forwarded from a swap-in it reads?
+            # Forwarded from a swap-in it reads, or written over a recomputation's clones in place?
+            if source is not None and (not in_place[t.id] or source.recompute):
                 for g, group in enumerate(source.groups):
                     if t.producer in group.consumers:
                         key = ("in", link, g)
