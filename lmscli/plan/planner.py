@@ -381,6 +381,7 @@ class _Choice:
     replaces: "_Choice | None" = None  # a chosen swap of the same tensor this one brings back later
     adds: bool = False  # a chosen swap brought back once more (:func:`_second_swap_in`): its old span stays free
     feeds: tuple = ()  # a recomputation of a chosen one's source: (reader, its swap before, after) (:func:`_rebased`)
+    advances: tuple = ()  # chosen recomputations of its sources made earlier for it: (tensor, before, after) (:func:`_advanced`)
 
 
 def _busy_blocks(transfers) -> list[tuple[int, int]]:
@@ -486,7 +487,8 @@ def _swap_in_trigger(ctx: _Context, far: tuple[int, ...], earliest: int, transfe
 
 
 def _gap_recompute(ctx: _Context, cand: Candidate, p: int, result: SimResult, chosen: dict,
-                   hold: bool = False, latest: int | None = None, chain: bool = False) -> _Choice | None:
+                   hold: bool = False, latest: int | None = None, chain: bool = False,
+                   advance: int = 0) -> _Choice | None:
     """Make ``cand`` again across position ``p``: the original for uses before p, clones of a
     recipe (run when the latest ancestor of the first later use ends) for the uses after p.
     ``hold``: a recipe may keep sources the step has dropped by then (:func:`_holds`); the greedy
@@ -495,7 +497,9 @@ def _gap_recompute(ctx: _Context, cand: Candidate, p: int, result: SimResult, ch
     recompute-only plan when that is faster, and turns swaps into such recomputations when that
     shortens the judged step (:func:`_with_recomputations`). With ``chain``, a recipe may read a
     source that is made again itself, from that recomputation's clones, when they are there as its
-    own clones run (:func:`_via_recomputed`). ``latest``: the last position the trigger may take."""
+    own clones run (:func:`_via_recomputed`), and with ``advance`` > 0 also from such a
+    recomputation made earlier for it (:func:`_advanced`, up to that many levels of sources deep).
+    ``latest``: the last position the trigger may take."""
     recipes = ctx.recipes.get(cand.tensor)
     if not recipes:
         return None
@@ -521,6 +525,12 @@ def _gap_recompute(ctx: _Context, cand: Candidate, p: int, result: SimResult, ch
     held_choice = None
     for recipe in recipes:
         via = _via_recomputed(ctx, recipe, chosen, trig, chain)
+        advances: tuple = ()
+        if via is None and chain and advance > 0:
+            advances = _advanced(ctx, recipe, chosen, trig, result, hold, advance - 1)
+            if advances:
+                via = _via_recomputed(ctx, recipe, {**chosen, **{s: after for s, _before, after in advances}},
+                                      trig, chain)
         if (via is None
                 or not all(w > trig and branch_safe(ctx.tags[trig], ctx.tags[w]) for w in recipe.writers)
                 or any(s in chosen for s in recipe.small)):
@@ -529,7 +539,10 @@ def _gap_recompute(ctx: _Context, cand: Candidate, p: int, result: SimResult, ch
         swap = SimSwap(t.id, tuple(near), (SwapIn(tuple(far), trig),), waiters=recipe.writers, kind="recompute",
                        cost=recipe.cost, extra=recipe.extra, chain=recipe.positions, via=via)
         if not dropped:
-            return _Choice(swap, lo, trig, t.num_bytes, 0, recipe, recipe.cost)
+            extra_cost = sum(after.cost - before.cost for _s, before, after in advances)
+            return _Choice(swap, lo, trig, t.num_bytes, 0, recipe, recipe.cost + extra_cost, advances=advances)
+        if advances:
+            continue  # (a source made earlier and another kept beyond its last use: not combined)
         if held_choice is None and hold:
             holds = _holds(ctx, dropped, t.id, trig)
             if holds is not None and sum(h[2] for h in holds) <= HOLD_SHARE * t.num_bytes:
@@ -537,6 +550,7 @@ def _gap_recompute(ctx: _Context, cand: Candidate, p: int, result: SimResult, ch
     return held_choice
 
 
+ADVANCE_DEPTH = 3  # levels of chosen recomputations a chained one may make earlier (_advanced)
 HOLD_SHARE = 0.5  # sources kept for a recomputation beyond their last use: at most this share of what it frees
 
 
@@ -564,6 +578,44 @@ def _via_recomputed(ctx: _Context, recipe, chosen: dict, trig: int, chain: bool 
             return None
         via.append((s, 0))
     return tuple(via)
+
+
+def _advanced(ctx: _Context, recipe, chosen: dict, trig: int, result: SimResult, hold: bool, depth: int) -> tuple:
+    """``(source, before, after)`` for each source of ``recipe`` whose chosen recomputation makes
+    it too late for clones run when ``trig`` ends, made again earlier instead (the same uses, its
+    clones made at or before ``trig``), so that those clones read its clones, and the sources its
+    own clones then need earlier too, up to ``depth`` levels further (one flat tuple); () when a
+    source is chosen otherwise or cannot be made that early. A transformer's GELU output is read by the
+    first op of its layer's backward pass, the GELU's inner tensors (made again already) by the
+    ops after it::
+
+        before: mul, erfc made again when trig_g ends (for the GELU's gradient); mul_2 kept
+        after:  mul, erfc made again when trig_m <= trig_g ends; mul_2 = mul * erfc made again
+                from their clones (for the second matrix product's gradient, just before)
+    """
+    out: dict[int, tuple] = {}
+    for s in recipe.sources:
+        members = [m for m in ctx.buffers.group(s) if m in chosen]
+        if not members:
+            continue
+        before = chosen[s] if members == [s] else None
+        if before is None or before.recipe is None or len(before.swap.groups) != 1:
+            return ()
+        group = before.swap.groups[0]
+        if group.trigger <= trig:
+            continue  # its clones are there in time (or never: _via_recomputed decides)
+        if trig >= group.consumers[-1] or trig < before.lo:
+            return ()
+        after = _gap_recompute(ctx, ctx.cands[s], before.lo, result, chosen, hold=hold, latest=trig, chain=True,
+                               advance=depth)
+        if (after is None or after.holds or after.swap.near != before.swap.near
+                or after.swap.groups[0].consumers != group.consumers):
+            return ()
+        for x, b, a in after.advances + ((s, before, after),):
+            if x in out and out[x][2].swap.groups[0].trigger != a.swap.groups[0].trigger:
+                return ()  # (two sources would need it made at two moments)
+            out[x] = (x, b, a)
+    return tuple(out[x] for x in sorted(out))
 
 
 def _rebased(ctx: _Context, chosen: dict, tid: int, p: int, result: SimResult, hold: bool) -> _Choice | None:
@@ -761,8 +813,11 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
                 continue
             if best.swap.tensor in chosen and best.swap.waiters == chosen[best.swap.tensor].swap.waiters:
                 continue
-            if best.recipe is not None and _via_recomputed(ctx, best.recipe, chosen, best.hi,
-                                                            CHAIN_RECOMPUTE in modes) != best.swap.via:
+            if any(chosen.get(src) is not before for src, before, _after in best.advances):
+                continue  # a source made again was chosen otherwise a moment ago
+            if best.recipe is not None and _via_recomputed(
+                    ctx, best.recipe, {**chosen, **{src: after for src, _before, after in best.advances}}, best.hi,
+                    CHAIN_RECOMPUTE in modes) != best.swap.via:
                 continue  # a source, or a tensor sharing its buffer, was chosen a moment ago
             if best.recipe is not None and any(m in chosen for s in best.recipe.small for m in ctx.buffers.group(s)):
                 continue
@@ -776,6 +831,13 @@ def plan_lms(ctx: _Context, budget_act: int, baseline: SimResult, log: list[str]
                     chosen[reader] = replace(chosen[reader], swap=after)
             if any(c.swap.tensor in chosen or c.swap.tensor in held for c in best.companions):
                 continue
+            for src, before, after in best.advances:  # made earlier: freed for a shorter span
+                profile[before.lo: before.hi + 1] += before.size
+                for first, last, size in before.holds:
+                    profile[first: last + 1] -= size
+                profile[after.lo: after.hi + 1] -= after.size
+                chosen[src] = after
+                held.update(m for x in after.recipe.sources + after.recipe.small for m in ctx.buffers.group(x))
             chosen[best.swap.tensor] = best
             chosen.update((c.swap.tensor, c) for c in best.companions)
             if best.recipe is not None:  # its sources, and what shares their buffers, stay as they are
@@ -847,7 +909,8 @@ def _ranked_choices(ctx: _Context, chosen: dict, p: int, judged: _Judged, clippe
                 options.append(choice)
         if "recompute" in modes:
             choice = _gap_recompute(ctx, ctx.cands[tid], p, result, chosen, hold="swap" not in modes,
-                                    chain=CHAIN_RECOMPUTE in modes)
+                                    chain=CHAIN_RECOMPUTE in modes,
+                                    advance=ADVANCE_DEPTH if CHAIN_RECOMPUTE in modes else 0)
             if choice is not None:
                 options.append(choice)
         options = [c for c in options if all(_helps_instantly(ctx, x.swap, p, judged.instant)
@@ -874,6 +937,8 @@ def _rank(choice: _Choice, clipped, tid: int) -> tuple:
     ``clipped`` it removes (less what its held sources add back), then cheaper, larger."""
     covered = int(np.minimum(clipped[choice.lo: choice.hi + 1], choice.size).sum())
     covered -= sum(int(np.minimum(clipped[first: last + 1], size).sum()) for first, last, size in choice.holds)
+    covered -= sum(int(np.minimum(clipped[after.hi + 1: before.hi + 1], before.size).sum())
+                   for _s, before, after in choice.advances)
     return (choice.cost == 0, covered, -choice.cost, -choice.size, -tid)
 
 
