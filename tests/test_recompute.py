@@ -516,6 +516,36 @@ def test_attention_scores_are_made_again_from_queries_and_keys_kept_for_them(tmp
     _identical(model, new_graph)
 
 
+def test_a_recomputed_tensor_keeps_as_many_readers_for_grapplers_rewrites(tmp_path, monkeypatch):
+    """Grappler regroups ``erfc * (0.5 * x)`` as ``x * (erfc * 0.5)`` (constant push-down) and
+    sums a chain of adds in one AddN only where the inner result has one reader. A recomputation
+    takes the far readers from the original (and a clone may be read by the next clone only), so
+    the rewrite gives each such tensor an Identity nothing reads (``-lms-keep-``, pruned from the
+    step a Session runs): Grappler treats the rewrite as it treats the original, and it trains
+    bit-identically. Without them the optimizer guard refused the GELU's tensors of a transformer."""
+    from tests.conftest import load_generator
+    from lmscli.emit import rewriter
+    from lmscli.plan.judge import optimizer_culprits
+
+    path = tmp_path / "transformer.meta"
+    path.write_bytes(load_generator().build("transformer", batch=4, d_model=128, ffn=512, heads=4, layers=2,
+                                            seq=128).SerializeToString(deterministic=True))
+    model = api.load(str(path))
+    prepared = api.prepare(model)
+    device = api.make_device(gpu_mem=15 << 20, reserve=0.0)
+    plan = api.tune(prepared, device, TuneOptions(strategy="recompute"), check=False, guard=False).plan
+    assert any(r.tensor.endswith("Gelu/mul:0") for r in plan.recomputes)
+    new_graph, _ = api.rewrite(prepared, plan)
+    keepers = [n for n in new_graph.graph_def.node if "-lms-keep-" in n.name]
+    readers = {i for n in new_graph.graph_def.node for i in n.input}
+    assert keepers and not any(k.name in readers or "^" + k.name in readers for k in keepers)
+    assert optimizer_culprits(prepared, plan, new_graph) == ((), ())
+    _identical(model, new_graph)
+
+    monkeypatch.setattr(rewriter, "KEEP_FAN_OUT", 0)
+    bare, _ = api.rewrite(prepared, plan)
+    assert optimizer_culprits(prepared, plan, bare)[0]  # Grappler rewrites the original GELU otherwise
+
 
 def test_a_chosen_recomputation_is_made_earlier_for_a_tensor_made_again_from_it(tmp_path, monkeypatch):
     """A GELU's output is read first in its layer's backward pass (the second matrix product's

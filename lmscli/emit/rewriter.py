@@ -282,6 +282,8 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
         return node.attr["T"].type if node is not None else None
 
     remade: dict[tuple[str, int, int], tuple[str, int]] = {}  # (producer, output, group) -> its clone's output
+    readers = _data_readers(graph)  # before the clones: what each recomputed tensor and cloned op had
+    cloned: dict[str, str] = {}  # clone -> original
     for rec in _sources_first(plan.recomputes):
         producer, output, _ = parse_input(rec.tensor)
         missing = [op for op in rec.ops + (producer,) if op not in nodes]
@@ -319,6 +321,7 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
                 return read_from.get((src, port), (src, port))
 
             clones = _clone_chain(graph, nodes, rec.ops, f"recompute-{g}", unique, gate, source)
+            cloned.update((clone, original) for original, clone in clones.items())
             remade[(producer, output, g)] = (clones[producer], output)
             dtypes[(clones[producer], output)] = dtypes.get((producer, output))
             added.extend(clones.values())
@@ -334,6 +337,8 @@ def rewrite(meta_graph, plan: Plan, host_device: str = DEFAULT_HOST_DEVICE, forc
                 for waiter in rec.waiters:
                     add_control(waiter, done.name)
             _rewire(nodes, group.consumers, refs, made, rec.tensor)
+    _keep_fan_out(graph, nodes, {parse_input(rec.tensor)[:2] for rec in plan.recomputes}, cloned, readers,
+                  add_identity, unique, dtypes)
     control_edges += len(gates)
     for chain in plan.serialize:
         for before, after in zip(chain, chain[1:]):
@@ -511,6 +516,54 @@ def _rewire(nodes: dict, consumers, refs: set, new: str, tensor: str) -> None:
                 hits += 1
         if hits == 0:
             raise PlanError(f"{consumer!r} does not read {tensor!r}; the plan does not match the graph")
+
+
+def _data_readers(graph) -> dict:
+    """How many data inputs of the graph's nodes read each tensor ``(node, output)``."""
+    count: dict = {}
+    for node in graph.node:
+        for text in node.input:
+            if not text.startswith("^"):
+                src, output, _ = parse_input(text)
+                count[(src, output)] = count.get((src, output), 0) + 1
+    return count
+
+
+KEEP_FAN_OUT = 2  # readers a recomputed tensor, and each clone's output, keeps as far as the original had them
+
+
+def _keep_fan_out(graph, nodes: dict, made: set, cloned: dict, before: dict, add_identity, unique, dtypes) -> None:
+    """Identities that nothing reads (*keepers*, ``P-lms-keep-0``) for each recomputed tensor
+    (``made``) and each output of a clone (``cloned``: clone -> original) that has fewer readers
+    than the original tensor had (``before``), up to :data:`KEEP_FAN_OUT`. Grappler rewrites some
+    ops only when an input has one reader (constant push-down regroups ``erfc * (x * 0.5)`` as
+    ``x * (erfc * 0.5)``, the arithmetic optimizer sums a chain of adds in one AddN, the remapper
+    fuses a bias add into its activation), which rounds differently: neither the original op,
+    whose far readers now read a clone, nor a clone read only by the next clone, may have one
+    reader where the original had more. Keepers are marked for Grappler to keep, and being read
+    by nothing, are pruned from the step a Session runs: they cost nothing::
+
+        before                         after
+        x = mul(b, 0.5) --> mul_2      x = mul(b, 0.5) --> mul_2
+                        --> grad                       --> x-lms-keep-0 (Identity, read by nothing)
+                                       x' (clone) --> grad
+    """
+    after = _data_readers(graph)
+    wanted = {t: before.get(t, 0) for t in made}
+    clones_of: dict = {}
+    for clone, original in cloned.items():
+        clones_of.setdefault(original, []).append(clone)
+    for (src, output), count in before.items():
+        for clone in clones_of.get(src, ()):
+            wanted[(clone, output)] = count
+    for (node, output), count in sorted(wanted.items()):
+        original = cloned.get(node, node)
+        have = after.get((node, output), 0)
+        dtype = dtypes.get((original, output))
+        while have < min(count, KEEP_FAN_OUT) and dtype is not None:
+            add_identity(unique(beside(node, f"keep-{output}")), _tensor_ref(node, output), dtype,
+                         nodes[original].device)
+            have += 1
 
 
 def _sources_first(recomputes) -> list:
