@@ -103,6 +103,31 @@ def fused_edge(producer_op: str, consumer_op: str) -> bool:
     return any(producer_op in src and consumer_op in dst for src, dst in FUSED_EDGES)
 
 
+def fused_at(view: GraphView, src: int, dst: int) -> bool:
+    """:func:`fused_edge` for the edge from node ``src`` into node ``dst``: a transpose folds into
+    a matrix product only when it swaps the last two dimensions (the product's adjoint flags); the
+    head split of attention (``[0, 2, 1, 3]``) stays a transpose of its own."""
+    if not fused_edge(view.ops[src], view.ops[dst]):
+        return False
+    return view.ops[src] not in ("Transpose", "ConjugateTranspose") or _inner_transpose(view, src)
+
+
+def _inner_transpose(view: GraphView, node: int) -> bool:
+    """Does the transpose ``node`` swap the last two dimensions and keep the others (True when its
+    permutation is not a constant)?"""
+    inputs = view.data_inputs[node]
+    if len(inputs) < 2 or view.ops[inputs[1][0]] != "Const":
+        return True
+    from lmscli.tfimport import tensorflow
+
+    tensorflow()
+    from tensorflow.python.framework import tensor_util
+
+    perm = [int(x) for x in tensor_util.MakeNdarray(view.node_defs[inputs[1][0]].attr["value"].tensor).ravel()]
+    n = len(perm)
+    return n < 2 or perm == list(range(n - 2)) + [n - 1, n - 2]
+
+
 def absorbed(view: GraphView, node: int, fused: frozenset) -> bool:
     """Is ``node`` an activation that Grappler's remapper folds into its producer's kernel?
 
@@ -247,7 +272,7 @@ def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters()
             cop = view.ops[cnode]
             if (schedule.on_gpu[c] and ((cop not in CONTROL_FLOW_OPS and not view.in_loop(cnode))
                                         or loop_entry(view, cnode))
-                    and not fused_edge(op, cop)
+                    and not fused_at(view, node, cnode)
                     and view.names[cnode] not in fused
                     and filters.consumer_ok(view.names[cnode], cop)):
                 rewirable.append(c)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lmscli.plan.candidates import fused_edge
+from lmscli.plan.candidates import fused_at
 from lmscli.graph.graphview import CONSTANT_OPS, CONTROL_FLOW_OPS, VARIABLE_OPS, GraphView
 from lmscli.graph.opdefs import StatefulOps
 from lmscli.model.memmodel import FORWARDING_OPS, IN_PLACE_OPS, RESIDENT
@@ -120,7 +120,7 @@ def _close(view: GraphView, chain: set, allowed, fused: frozenset):
         for src, _out in view.data_inputs[node]:
             if src in chain or view.ops[src] in CONSTANT_OPS or variable_of(view, src) is not None:
                 continue  # constants and variables are read as they are (Grappler may fold or merge them)
-            if fused_edge(view.ops[src], view.ops[node]) or (view.names[src] in fused
+            if fused_at(view, src, node) or (view.names[src] in fused
                                                               and view.ops[src] not in FORWARDING_OPS):
                 if not allowed(src):
                     return None
