@@ -91,8 +91,9 @@ _ACTIVATIONS = frozenset({"Relu", "Relu6", "Elu", "LeakyRelu", "Tanh", "Sigmoid"
 # fusion and the kernel that runs instead rounds differently in the last bit, so those consumers
 # always read the GPU copy. Rewrites of element-wise arithmetic chains (the arithmetic optimizer,
 # constant folding) are device-independent: :mod:`lmscli.plan.optguard` checks each plan against them.
+_TRANSPOSES = frozenset({"Transpose", "ConjugateTranspose"})
 FUSED_EDGES = (
-    (frozenset({"Transpose", "ConjugateTranspose"}), _MATMULS),
+    (_TRANSPOSES, _MATMULS),
     (frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul"}), frozenset({"BiasAdd", "Add", "AddV2"})),
     (frozenset({"BiasAdd", "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"}), _ACTIVATIONS),
 )
@@ -109,7 +110,7 @@ def fused_at(view: GraphView, src: int, dst: int) -> bool:
     head split of attention (``[0, 2, 1, 3]``) stays a transpose of its own."""
     if not fused_edge(view.ops[src], view.ops[dst]):
         return False
-    return view.ops[src] not in ("Transpose", "ConjugateTranspose") or _inner_transpose(view, src)
+    return view.ops[src] not in _TRANSPOSES or _inner_transpose(view, src)
 
 
 def _inner_transpose(view: GraphView, node: int) -> bool:
@@ -224,7 +225,7 @@ class Candidate:
     rewirable: tuple[int, ...]  # consumer positions that may read a swap-in
     pinned: tuple[int, ...] = field(default=())  # consumer positions that must read the GPU copy
     shares: tuple[int, ...] = field(default=())  # other tensors holding its buffer: swapped together or not at all
-    beyond_tflms: bool = False  # an alias Grappler removes, or a later input of an AddN of 3+ (TFLMS swapped neither)
+    beyond_tflms: bool = False  # an alias Grappler removes, a later input of an AddN of 3+, a head split into a matmul
 
 
 def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters(),
@@ -261,9 +262,13 @@ def candidates(view: GraphView, schedule: Schedule, filters: Filters = Filters()
             continue
         if any(_order_sensitive_sum(view, schedule.nodes[c], node, t.output) for c in t.consumers):
             continue
-        # (TFLMS swapped neither: its style of plan leaves them, see planner.tflms_swaps)
+        # (TFLMS swapped neither: its style of plan leaves them, see planner.tflms_swaps; nor did
+        # lms before it told a head split from a transpose Grappler folds into a matrix product:
+        # the greedy swap plan with queries and keys to move took them on PCIe 3 where it had
+        # waited less for others, a transformer at half its peak +167% against +136%)
         beyond = (view.names[node] in fused and removed_alias(view, node)) or any(
-            _long_sum(view, schedule.nodes[c]) for c in t.consumers)
+            _long_sum(view, schedule.nodes[c]) or (op in _TRANSPOSES and fused_edge(op, view.ops[schedule.nodes[c]]))
+            for c in t.consumers)
         if not filters.producer_ok(view.names[node], op):
             continue
         rewirable, pinned = [], []
