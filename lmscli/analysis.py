@@ -92,6 +92,26 @@ class Prepared:
                        observed_micros=dict(micros or {}), observed_orders=tuple(orders))
         return seen.with_scratch(scratch or {}, scratch_first)
 
+    @functools.cached_property
+    def optimized_on_cpu(self):
+        """What Grappler's default optimizations make of this step placed on CPUs, as ``lms verify``
+        runs it (see :func:`grappler_on_cpu`); None for a step prepared for the stand-in (its
+        :attr:`optimized` is that already) or when Grappler refuses the graph."""
+        if self.stand_in is not None or self.optimized is None:
+            return None
+        return self.grappler_on_cpu(with_graph_def(self.model.meta_graph, self.graph_def))
+
+    def grappler_on_cpu(self, meta_graph):
+        """What Grappler's default optimizations make of ``meta_graph`` placed as ``lms verify``
+        runs a step, every op on a CPU. Some rewrites are made on CPUs only (``x ** 3`` becomes
+        ``x * Square(x)``, whose Square then merges with an equal one: the GELU's with its
+        gradient's), so a control edge that stops the merge changes the results there though
+        the graph a GPU runs is the same."""
+        from lmscli import grappler
+        from lmscli.prove.steps import place_on_cpu
+
+        return grappler.optimize(place_on_cpu(meta_graph).meta_graph, self.model.fetches)
+
     def grappler(self, meta_graph):
         """What Grappler's default optimizations make of ``meta_graph`` (this step, or a rewrite of
         it) where the step is to run: for a step prepared for the stand-in, in the stand-in's

@@ -550,3 +550,70 @@ def test_swaps_of_softmax_and_gelu_outputs_keep_grapplers_optimizations(tmp_path
     assert api.optimizer_culprits(prepared, result.plan, rewritten) == ((), ())
     before = steps.run_steps(model.meta_graph, model.fetches, steps=2)
     assert steps.first_difference(before, steps.run_steps(rewritten, model.fetches, steps=2)) is None
+
+
+def _vit(path):
+    """A 2-block ViT-style encoder: patch convolution, layer norms, attention from batch matmuls
+X
+    batch 2)."""
+    from tests.conftest import v1_training_graph
+
+    B, IMG, P, D, H, FF = 2, 64, 4, 96, 4, 384
+    N = (IMG // P) ** 2
+    with v1_training_graph(path) as (tf, v1, graph):
+        seed = iter(range(1, 100))
+
+        def w(name, shape, fan_in):
+            return v1.get_variable(name, shape, initializer=v1.random_normal_initializer(stddev=(2.0 / fan_in) ** 0.5,
+                                                                                         seed=next(seed)))
+
+        def dense(x, units, name):
+            with v1.variable_scope(name):
+                return tf.matmul(x, w("kernel", [int(x.shape[-1]), units], int(x.shape[-1]))) + v1.get_variable(
+                    "bias", [units], initializer=v1.zeros_initializer())
+
+        def ln(t, name):
+            with v1.variable_scope(name):
+                m, v = tf.nn.moments(t, axes=[-1], keepdims=True)
+                return ((t - m) * tf.math.rsqrt(v + 1e-6) * v1.get_variable("g", [D], initializer=v1.ones_initializer())
+                        + v1.get_variable("b", [D], initializer=v1.zeros_initializer()))
+
+        def heads(t):
+            return tf.transpose(tf.reshape(t, [B, N, H, D // H]), [0, 2, 1, 3])
+
+        x = v1.placeholder(tf.float32, [B, IMG, IMG, 3], name="images")
+        h = tf.reshape(tf.nn.conv2d(x, w("patch", [P, P, 3, D], P * P * 3), [1, P, P, 1], "SAME"), [B, N, D])
+        for layer in range(2):
+            with v1.variable_scope(f"block{layer}"):
+                flat = tf.reshape(ln(h, "ln1"), [B * N, D])
+                q, k, v = (heads(tf.reshape(dense(flat, D, n), [B, N, D])) for n in "qkv")
+                p = tf.nn.softmax(tf.matmul(q, tf.transpose(k, [0, 1, 3, 2])) * (1.0 / (D // H) ** 0.5), axis=-1)
+                o = tf.reshape(tf.transpose(tf.matmul(p, v), [0, 2, 1, 3]), [B * N, D])
+                h = h + tf.reshape(dense(o, D, "proj"), [B, N, D])
+                m = tf.nn.gelu(dense(tf.reshape(ln(h, "ln2"), [B * N, D]), FF, "fc1"), approximate=layer == 1)
+                h = h + tf.reshape(dense(m, D, "fc2"), [B, N, D])
+        graph.loss = tf.reduce_mean(tf.square(tf.reduce_mean(ln(h, "ln_f"), axis=1)))
+    return path
+
+
+def test_the_guard_also_sees_what_grappler_does_on_cpus(tmp_path):
+    """On a CPU (where ``lms verify`` runs both graphs) Grappler turns a tanh-GELU's ``x ** 3``
+    into ``x * Square(x)`` and merges that Square with its gradient's ``Square(x)``; a GPU keeps
+    the Pow. Control edges from a swap-out into those ops stop the merge and the product is
+    grouped otherwise: such a plan is bit-identical on a GPU and not on the CPU (QA: a ViT's GPU
+    plan, `lms verify` exit 4). The guard compares the graphs placed as ``lms verify`` runs them
+    too, and names the swap."""
+    from dataclasses import replace
+
+    model = api.load(str(_vit(tmp_path / "vit.meta")))
+    prepared = api.prepare(model)
+    options = TuneOptions(strategy="tflms", tflms=TflmsParams(1, 1, 0, 1), filters=api.Filters(include_types=("Softmax",)))
+    plan = api.tune(prepared, api.make_device(gpu_mem="1GiB"), options, check=False, guard=False).plan
+    swap = next(s for s in plan.swaps if s.tensor == "block1/Softmax:0")
+    waiters = ("block1/Gelu/Pow", "block1/Gelu/mul", "gradients/block1/Gelu/Pow_grad/Pow")
+    plan = replace(plan, swaps=(replace(swap, waiters=waiters),), recomputes=())
+    rewritten, _ = api.rewrite(prepared, plan)
+    before = steps.run_steps(model.meta_graph, model.fetches, steps=1)
+    assert steps.first_difference(before, steps.run_steps(rewritten, model.fetches, steps=1)) is not None
+    assert api.optimizer_culprits(prepared, plan, rewritten)[0] == ("block1/Softmax:0",)
+    assert grappler.optimize(rewritten, model.fetches) is not None  # (the graph a GPU runs is Grappler's same)

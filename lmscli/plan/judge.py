@@ -92,6 +92,9 @@ def optimizer_culprits(prepared: Prepared, plan: Plan, rewritten, optimized=None
     taken_out = frozenset(op for h in plan.dropped for op in h.ops
                           if op in view.index and view.ops[view.index[op]] == "TensorListPushBack")
     names = optguard.involved(prepared.optimized, optimized, taken_out)
+    if prepared.optimized_on_cpu is not None:  # (and as `lms verify` runs the two graphs, on CPUs)
+        on_cpu = prepared.grappler_on_cpu(rewritten)
+        names |= optguard.involved(prepared.optimized_on_cpu, on_cpu, taken_out) if on_cpu is not None else frozenset()
     if not names:
         return (), ()
     for hops in range(GUARD_HOPS + 1):  # the nearest swaps first
