@@ -278,3 +278,20 @@ def test_a_dilated_convolution_the_stand_in_cannot_run_is_refused_before_any_run
         with pytest.raises(InputError, match=r"cannot run .*Conv2DBackprop\w+ with dilation rates \[1, 1, 2, 1\]"):
             fresh.run(model.meta_graph, model.fetches, None, runs=1)
         assert not fresh.pids  # (refused before any process started)
+
+
+def test_a_file_in_the_working_directory_named_like_a_standard_module_does_not_stop_the_stand_in(tmp_path,
+                                                                                                  monkeypatch):
+    """The stand-in's processes are started with ``python -P -m``: the working directory is not put
+    first on their import path, where a user's ``bisect.py`` stood in for the standard library's
+    and the zygote died (QA r49 P5), its error only "Traceback (most recent call last):"."""
+    from lmscli.prove.standin import _last_line
+
+    (tmp_path / "bisect.py").write_text("raise RuntimeError('not the standard bisect')\n")
+    monkeypatch.chdir(tmp_path)
+    with StandIn() as s:
+        assert s is not None
+    log = tmp_path / "zygote.log"
+    log.write_text("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n    import bisect\n"
+                   "RuntimeError: not the standard bisect\n")
+    assert _last_line(str(log)) == "RuntimeError: not the standard bisect"

@@ -199,11 +199,15 @@ def _last_line(path: str) -> str:
     """The log's last line that says something (errors first)."""
     try:
         with open(path, errors="replace") as f:
-            lines = [line.strip() for line in f if line.strip() and not line.startswith("WARNING: All log messages")]
+            raw = [line.rstrip() for line in f if line.strip() and not line.startswith("WARNING: All log messages")]
     except OSError:
         return "(no log)"
-    for line in reversed(lines):
-        if (line[:1] in "EF" and line[1:5].isdigit()) or line.startswith(("Fatal Python error", "Traceback")):
+    lines = [line.strip() for line in raw]
+    for k in range(len(lines) - 1, -1, -1):
+        line = lines[k]
+        if line.startswith("Traceback"):  # the exception it ends with, not its first line
+            return next((r for r in reversed(raw[k + 1:]) if not r[:1].isspace()), line)
+        if (line[:1] in "EF" and line[1:5].isdigit()) or line.startswith("Fatal Python error"):
             return line
     return lines[-1] if lines else "nothing in its log (killed by a signal?)"
 
@@ -286,7 +290,10 @@ class _Zygote:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         with open(log, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "lmscli.prove._server"], stdin=subprocess.PIPE,
+            # (-P: the working directory is not put first on the import path, where a user's
+            # bisect.py or random.py would stand in for the standard library's)
+            safe = ["-P"] if sys.version_info >= (3, 11) else []
+            self.proc = subprocess.Popen([sys.executable, *safe, "-m", "lmscli.prove._server"], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=err, env=env, text=True, close_fds=True)
         deadline = time.monotonic() + timeout_s
         while (line := self._readline(deadline - time.monotonic())) != "ready":
