@@ -102,15 +102,18 @@ class Prepared:
         return self.grappler_on_cpu(with_graph_def(self.model.meta_graph, self.graph_def))
 
     def grappler_on_cpu(self, meta_graph):
-        """What Grappler's default optimizations make of ``meta_graph`` placed as ``lms verify``
-        runs a step, every op on a CPU. Some rewrites are made on CPUs only (``x ** 3`` becomes
-        ``x * Square(x)``, whose Square then merges with an equal one: the GELU's with its
-        gradient's), so a control edge that stops the merge changes the results there though
-        the graph a GPU runs is the same."""
+        """What Grappler's default optimizations but the remapper's make of ``meta_graph`` placed as
+        ``lms verify`` runs a step, every op on a CPU. Some rewrites are made on CPUs only
+        (``x ** 3`` becomes ``x * Square(x)``, whose Square then merges with an equal one: the
+        GELU's with its gradient's), so a control edge that stops the merge changes the results
+        there though the graph a GPU runs is the same. (The remapper's fusions are left out here:
+        those a GPU makes are the first comparison's, and one a CPU makes that a swap stops (a
+        matrix product with its bias add, reading a swap-in from the other device) trained
+        bit-identically.)"""
         from lmscli import grappler
         from lmscli.prove.steps import place_on_cpu
 
-        return grappler.optimize(place_on_cpu(meta_graph).meta_graph, self.model.fetches)
+        return grappler.optimize(place_on_cpu(meta_graph).meta_graph, self.model.fetches, remapping=False)
 
     def grappler(self, meta_graph):
         """What Grappler's default optimizations make of ``meta_graph`` (this step, or a rewrite of

@@ -175,18 +175,22 @@ def call_ops(functions) -> frozenset:
 
 
 @timed("Grappler's optimizations")
-def optimize(meta_graph, fetches):
+def optimize(meta_graph, fetches, remapping: bool = True):
     """The GraphDef that Grappler's default optimizations (as a Session runs them on this machine)
-    make of ``meta_graph`` for a step fetching ``fetches``; None if Grappler refuses the graph."""
+    make of ``meta_graph`` for a step fetching ``fetches``; None if Grappler refuses the graph.
+    ``remapping=False``: without the remapper's fusions."""
     tensorflow()
-    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
     from tensorflow.python.grappler import tf_optimizer
 
     meta = type(meta_graph)()
     meta.CopyFrom(meta_graph)
     _only(meta, fetches)
+    config = config_pb2.ConfigProto()
+    if not remapping:
+        config.graph_options.rewrite_options.remapping = rewriter_config_pb2.RewriterConfig.OFF
     try:
-        return tf_optimizer.OptimizeGraph(config_pb2.ConfigProto(), meta)
+        return tf_optimizer.OptimizeGraph(config, meta)
     except Exception:
         return None
 
