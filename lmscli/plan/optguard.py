@@ -29,6 +29,7 @@ from lmscli.timing import timed
 
 _TRANSPARENT = frozenset({"Identity", "NoOp"})
 _CONSTANT = frozenset({"Const", "HostConst"})
+_UNARY_CHAIN = "_UnaryOpsComposition"
 # Two-operand ops whose result does not depend on operand order, bit for bit (IEEE addition and
 # multiplication are commutative; only the order of more than two terms matters). Grappler sorts
 # some operands by name, and a swap node's name sorts elsewhere than its producer's.
@@ -88,6 +89,18 @@ def digests(graph_def, through=frozenset()) -> tuple[dict, object]:
             data = [tensor(i) for i in _data(node)]
             if (node.op == "Identity" or name in through) and data:
                 digest[name] = data[0]
+                state[name] = 2
+                continue
+            if node.op == _UNARY_CHAIN and data:
+                # The arithmetic optimizer's composition of a chain of unary ops (on CPUs) computes
+                # what the chain computes, element by element: its digest is the chain's, and each
+                # op on the way counts as present (a swap that cuts the chain short leaves it as it is).
+                h = data[0]
+                t = node.attr["T"].SerializeToString(deterministic=True)
+                for k, op in enumerate(node.attr["op_names"].list.s):
+                    h = hashlib.sha256(repr((op.decode(), [("T", t)], [h], None)).encode()).hexdigest()
+                    digest[f"{name}#{k}"] = h
+                digest[name] = h
                 state[name] = 2
                 continue
             if node.op in _CONSTANT:
