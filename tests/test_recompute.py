@@ -482,12 +482,13 @@ def test_the_hybrid_also_tries_making_again_every_tensor_it_can(cnn):
     assert hybrid.result.step_time <= result.step_time + 1e-9
 
 
-def test_attention_scores_are_made_again_from_queries_and_keys_kept_for_them(tmp_path):
+def test_attention_scores_are_made_again_from_queries_and_keys(tmp_path):
     """A transformer's attention probabilities (the largest tensors of its forward pass) are made
-    again from its queries and keys, which the step itself drops after the forward pass: the plan
-    keeps them until the clones have run (half a MiB each for a 1 MiB softmax), the simulator
-    holds them that long, and training is bit-identical. Before, no recipe had its sources on the
-    GPU then, and a recompute-only plan stopped at the backward pass's first layer."""
+    again from its queries and keys (half a MiB each for a 1 MiB softmax), and training is
+    bit-identical. The recipe reads the head-split transposes, which the backward pass reads
+    anyway (before lms told them from transposes Grappler folds into a product, the chain took
+    them in and read the reshapes before them, which the step drops after the forward pass: the
+    plan kept those for the clones)."""
     from tests.conftest import load_generator
     from lmscli.model.simulator import clone_sources
     from lmscli.plan.recompute import Buffers
@@ -510,7 +511,8 @@ def test_attention_scores_are_made_again_from_queries_and_keys_kept_for_them(tmp
         trigger = index[r.groups[0].trigger]
         made = next(t.id for t in schedule.tensors if t.producer == chain[-1])
         sources = clone_sources(schedule, SimSwap(made, (), (), kind="recompute", chain=chain))
-        assert sources and not any(buffers.alive(s, trigger, made) for s in sources)  # kept for the clones
+        assert {schedule.label(s).rsplit("/", 1)[-1] for s in sources} == {"transpose:0", "transpose_1:0"}
+        assert all(buffers.alive(s, trigger, made) for s in sources)  # (read by the backward pass after the clones)
         assert all(schedule.tensors[s].num_bytes <= schedule.tensors[made].num_bytes // 2 for s in sources)
     new_graph, _ = api.rewrite(prepared, result.plan)
     _identical(model, new_graph)
@@ -520,7 +522,7 @@ def test_a_recomputed_tensor_keeps_as_many_readers_for_grapplers_rewrites(tmp_pa
     """Grappler regroups ``erfc * (0.5 * x)`` as ``x * (erfc * 0.5)`` (constant push-down) and
     sums a chain of adds in one AddN only where the inner result has one reader. A recomputation
     takes the far readers from the original (and a clone may be read by the next clone only), so
-    the rewrite gives each such tensor an Identity nothing reads (``-lms-keep-``, pruned from the
+    the rewrite gives each such tensor an Identity nothing reads (``-lms-recompute-keep-``, pruned from the
     step a Session runs): Grappler treats the rewrite as it treats the original, and it trains
     bit-identically. Without them the optimizer guard refused the GELU's tensors of a transformer."""
     from tests.conftest import load_generator
@@ -536,7 +538,7 @@ def test_a_recomputed_tensor_keeps_as_many_readers_for_grapplers_rewrites(tmp_pa
     plan = api.tune(prepared, device, TuneOptions(strategy="recompute"), check=False, guard=False).plan
     assert any(r.tensor.endswith("Gelu/mul:0") for r in plan.recomputes)
     new_graph, _ = api.rewrite(prepared, plan)
-    keepers = [n for n in new_graph.graph_def.node if "-lms-keep-" in n.name]
+    keepers = [n for n in new_graph.graph_def.node if "-lms-recompute-keep-" in n.name]
     readers = {i for n in new_graph.graph_def.node for i in n.input}
     assert keepers and not any(k.name in readers or "^" + k.name in readers for k in keepers)
     assert optimizer_culprits(prepared, plan, new_graph) == ((), ())

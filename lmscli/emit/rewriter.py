@@ -533,7 +533,7 @@ KEEP_FAN_OUT = 2  # readers a recomputed tensor, and each clone's output, keeps 
 
 
 def _keep_fan_out(graph, nodes: dict, made: set, cloned: dict, before: dict, add_identity, unique, dtypes) -> None:
-    """Identities that nothing reads (*keepers*, ``P-lms-keep-0``) for each recomputed tensor
+    """Identities that nothing reads (*keepers*, ``P-lms-recompute-keep-0``) for each recomputed tensor
     (``made``) and each output of a clone (``cloned``: clone -> original) that has fewer readers
     than the original tensor had (``before``), up to :data:`KEEP_FAN_OUT`. Grappler rewrites some
     ops only when an input has one reader (constant push-down regroups ``erfc * (x * 0.5)`` as
@@ -545,7 +545,7 @@ def _keep_fan_out(graph, nodes: dict, made: set, cloned: dict, before: dict, add
 
         before                         after
         x = mul(b, 0.5) --> mul_2      x = mul(b, 0.5) --> mul_2
-                        --> grad                       --> x-lms-keep-0 (Identity, read by nothing)
+                        --> grad                       --> x-lms-recompute-keep-0 (nothing reads it)
                                        x' (clone) --> grad
     """
     after = _data_readers(graph)
@@ -561,7 +561,7 @@ def _keep_fan_out(graph, nodes: dict, made: set, cloned: dict, before: dict, add
         have = after.get((node, output), 0)
         dtype = dtypes.get((original, output))
         while have < min(count, KEEP_FAN_OUT) and dtype is not None:
-            add_identity(unique(beside(node, f"keep-{output}")), _tensor_ref(node, output), dtype,
+            add_identity(unique(beside(node, f"recompute-keep-{output}")), _tensor_ref(node, output), dtype,
                          nodes[original].device)
             have += 1
 
