@@ -86,8 +86,8 @@ class Filters:
 
 _MATMULS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"})
 _ACTIVATIONS = frozenset({"Relu", "Relu6", "Elu", "LeakyRelu", "Tanh", "Sigmoid"})
-# Producer -> consumer edges that Grappler's remapper folds or fuses (transposes into matmuls, bias
-# adds and activations into convolutions, on GPUs as on CPUs). A swap node on such an edge stops the
+# Producer -> consumer edges that Grappler's remapper folds or fuses (transposes into matmuls: see
+# fused_at for which; bias adds and activations into convolutions, on GPUs as on CPUs). A swap node on such an edge stops the
 # fusion and the kernel that runs instead rounds differently in the last bit, so those consumers
 # always read the GPU copy. Rewrites of element-wise arithmetic chains (the arithmetic optimizer,
 # constant folding) are device-independent: :mod:`lmscli.plan.optguard` checks each plan against them.
