@@ -64,6 +64,18 @@ def cnn(tmp_path_factory):
     return path, model, api.prepare(model)
 
 
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory):
+    """``(model, prepared)`` of a 2-layer transformer encoder (batch 4, 128 tokens, width 128, exact GELU)."""
+    from tests.conftest import load_generator
+
+    path = tmp_path_factory.mktemp("encoder") / "transformer.meta"
+    path.write_bytes(load_generator().build("transformer", batch=4, d_model=128, ffn=512, heads=4, layers=2,
+                                            seq=128).SerializeToString(deterministic=True))
+    model = api.load(str(path))
+    return model, api.prepare(model)
+
+
 def _identical(model, rewritten) -> None:
     from lmscli.prove import steps
 
@@ -482,22 +494,17 @@ def test_the_hybrid_also_tries_making_again_every_tensor_it_can(cnn):
     assert hybrid.result.step_time <= result.step_time + 1e-9
 
 
-def test_attention_scores_are_made_again_from_queries_and_keys(tmp_path):
+def test_attention_scores_are_made_again_from_queries_and_keys(encoder):
     """A transformer's attention probabilities (the largest tensors of its forward pass) are made
     again from its queries and keys (half a MiB each for a 1 MiB softmax), and training is
     bit-identical. The recipe reads the head-split transposes, which the backward pass reads
     anyway (before lms told them from transposes Grappler folds into a product, the chain took
     them in and read the reshapes before them, which the step drops after the forward pass: the
     plan kept those for the clones)."""
-    from tests.conftest import load_generator
     from lmscli.model.simulator import clone_sources
     from lmscli.plan.recompute import Buffers
 
-    path = tmp_path / "transformer.meta"
-    path.write_bytes(load_generator().build("transformer", batch=4, d_model=128, ffn=512, heads=4, layers=2,
-                                            seq=128).SerializeToString(deterministic=True))
-    model = api.load(str(path))
-    prepared = api.prepare(model)
+    model, prepared = encoder
     device = api.make_device(gpu_mem=15 << 20, reserve=0.0)  # (at 21 MiB it makes again two small tensors only)
     result = api.tune(prepared, device, TuneOptions(strategy="recompute"))
     assert result.fits
@@ -518,22 +525,17 @@ def test_attention_scores_are_made_again_from_queries_and_keys(tmp_path):
     _identical(model, new_graph)
 
 
-def test_a_recomputed_tensor_keeps_as_many_readers_for_grapplers_rewrites(tmp_path, monkeypatch):
+def test_a_recomputed_tensor_keeps_as_many_readers_for_grapplers_rewrites(encoder, monkeypatch):
     """Grappler regroups ``erfc * (0.5 * x)`` as ``x * (erfc * 0.5)`` (constant push-down) and
     sums a chain of adds in one AddN only where the inner result has one reader. A recomputation
     takes the far readers from the original (and a clone may be read by the next clone only), so
     the rewrite gives each such tensor an Identity nothing reads (``-lms-recompute-keep-``, pruned from the
     step a Session runs): Grappler treats the rewrite as it treats the original, and it trains
     bit-identically. Without them the optimizer guard refused the GELU's tensors of a transformer."""
-    from tests.conftest import load_generator
     from lmscli.emit import rewriter
     from lmscli.plan.judge import optimizer_culprits
 
-    path = tmp_path / "transformer.meta"
-    path.write_bytes(load_generator().build("transformer", batch=4, d_model=128, ffn=512, heads=4, layers=2,
-                                            seq=128).SerializeToString(deterministic=True))
-    model = api.load(str(path))
-    prepared = api.prepare(model)
+    model, prepared = encoder
     device = api.make_device(gpu_mem=15 << 20, reserve=0.0)
     plan = api.tune(prepared, device, TuneOptions(strategy="recompute"), check=False, guard=False).plan
     assert any(r.tensor.endswith("Gelu/mul:0") for r in plan.recomputes)
@@ -549,22 +551,17 @@ def test_a_recomputed_tensor_keeps_as_many_readers_for_grapplers_rewrites(tmp_pa
     assert optimizer_culprits(prepared, plan, bare)[0]  # Grappler rewrites the original GELU otherwise
 
 
-def test_a_chosen_recomputation_is_made_earlier_for_a_tensor_made_again_from_it(tmp_path, monkeypatch):
+def test_a_chosen_recomputation_is_made_earlier_for_a_tensor_made_again_from_it(encoder, monkeypatch):
     """A GELU's output is read first in its layer's backward pass (the second matrix product's
     gradient), its inner tensors just after (the GELU's own gradient): when those are made again
     already, for their own readers, the output can be made again from their clones only if they
     are made earlier. The planner makes them so (``_advanced``): a recompute-only plan for a
     2-layer encoder fits at 14 MiB (none did), passes the optimizer guard, and trains
     bit-identically."""
-    from tests.conftest import load_generator
     from lmscli.errors import NoFitError
     from lmscli.plan import planner
 
-    path = tmp_path / "transformer.meta"
-    path.write_bytes(load_generator().build("transformer", batch=4, d_model=128, ffn=512, heads=4, layers=2,
-                                            seq=128).SerializeToString(deterministic=True))
-    model = api.load(str(path))
-    prepared = api.prepare(model)
+    model, prepared = encoder
     device = api.make_device(gpu_mem=14 << 20, reserve=0.0)
     result = api.tune(prepared, device, TuneOptions(strategy="recompute"), check=False)
     assert result.fits
