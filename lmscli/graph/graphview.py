@@ -419,6 +419,18 @@ class GraphView:
         info = self.tensor(i, output)
         return info.num_bytes or 0 if info is not None else 0
 
+    def constant(self, i: int):
+        """The value of ``Const`` node ``i`` as a NumPy array; None for another op, or a value
+        TensorFlow cannot read back."""
+        if self.ops[i] != "Const":
+            return None
+        from lmscli.tfimport import tensorflow
+
+        try:
+            return tensorflow().make_ndarray(self.node_defs[i].attr["value"].tensor)
+        except Exception:
+            return None
+
     def attr_bool(self, i: int, key: str) -> bool:
         attr = self.node_defs[i].attr.get(key)
         return bool(attr.b) if attr is not None else False

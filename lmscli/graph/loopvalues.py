@@ -149,14 +149,8 @@ class Evaluator:
         return self._run(node, output)
 
     def _const(self, node: int):
-        from lmscli.tfimport import tensorflow
-
-        tf = tensorflow()
-        try:
-            value = tf.make_ndarray(self.view.node_defs[node].attr["value"].tensor)
-        except Exception:
-            return None
-        return value.item() if value.size == 1 else None
+        value = self.view.constant(node)
+        return value.item() if value is not None and value.size == 1 else None
 
     def _run(self, node: int, output: int):
         import numpy as np

@@ -117,14 +117,10 @@ def _inner_transpose(view: GraphView, node: int) -> bool:
     """Does the transpose ``node`` swap the last two dimensions and keep the others (True when its
     permutation is not a constant)?"""
     inputs = view.data_inputs[node]
-    if len(inputs) < 2 or view.ops[inputs[1][0]] != "Const":
+    value = view.constant(inputs[1][0]) if len(inputs) >= 2 else None
+    if value is None:
         return True
-    from lmscli.tfimport import tensorflow
-
-    tensorflow()
-    from tensorflow.python.framework import tensor_util
-
-    perm = [int(x) for x in tensor_util.MakeNdarray(view.node_defs[inputs[1][0]].attr["value"].tensor).ravel()]
+    perm = [int(x) for x in value.ravel()]
     n = len(perm)
     return n < 2 or perm == list(range(n - 2)) + [n - 1, n - 2]
 
