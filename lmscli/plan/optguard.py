@@ -98,7 +98,7 @@ def digests(graph_def, through=frozenset()) -> tuple[dict, object]:
                 h = data[0]
                 t = node.attr["T"].SerializeToString(deterministic=True)
                 for k, op in enumerate(node.attr["op_names"].list.s):
-                    h = hashlib.sha256(repr((op.decode(), [("T", t)], [h], None)).encode()).hexdigest()
+                    h = _op_digest(op.decode(), [("T", t)], [h], None)
                     digest[f"{name}#{k}"] = h
                 digest[name] = h
                 state[name] = 2
@@ -106,16 +106,22 @@ def digests(graph_def, through=frozenset()) -> tuple[dict, object]:
             if node.op in _CONSTANT:
                 value = repr(("const", node.attr["value"].SerializeToString(deterministic=True),
                               node.attr["dtype"].SerializeToString()))
+                digest[name] = hashlib.sha256(value.encode()).hexdigest()
             else:
                 if node.op in _COMMUTATIVE and len(data) == 2:
                     data.sort()
                 # (a loop's parallel_iterations, which a plan sets to 1, changes no value)
                 attrs = sorted((k, v.SerializeToString(deterministic=True)) for k, v in node.attr.items()
                                if not k.startswith("_") and k != "parallel_iterations")
-                value = repr((node.op, attrs, data, None if data else _stable(name)))
-            digest[name] = hashlib.sha256(value.encode()).hexdigest()
+                digest[name] = _op_digest(node.op, attrs, data, None if data else _stable(name))
             state[name] = 2
     return digest, resolve
+
+
+def _op_digest(op: str, attrs: list, inputs: list, source: str | None) -> str:
+    """The digest of an op: its type, its attributes (``(name, serialized value)``, sorted), the
+    digests of its inputs, and for a source (no inputs) its name."""
+    return hashlib.sha256(repr((op, attrs, inputs, source)).encode()).hexdigest()
 
 
 @timed("guard")
