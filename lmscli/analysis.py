@@ -525,8 +525,11 @@ class Bound:
     touched_bytes: int  # swappable tensors the running ops read or write
     largest: tuple[tuple[str, int, bool], ...]  # (tensor, bytes, swappable) held then, largest first
 
-    def explain(self, schedule: Schedule, budget: int) -> str:
-        """One sentence for an error message: what the step holds at the binding instant."""
+    def explain(self, schedule: Schedule, budget: int, moved: str = "swapped") -> str:
+        """One sentence for an error message: what the step holds at the binding instant.
+        ``moved``: what the strategy does with a tensor ("swapped", "made again by this strategy"):
+        QA r49 read "tensors that cannot be swapped" under ``--strategy recompute`` as the loop
+        stacks the other strategies do move to the host."""
         from lmscli.units import format_size
 
         if self.position is None:
@@ -539,7 +542,7 @@ class Bound:
         scratch = max(0, self.bytes - self.pinned_bytes - self.touched_bytes - schedule.resident_bytes)
         extra = (f", and {format_size(scratch)} of kernel scratch and allocator rounding while they run (CPU "
                  "kernels' temporaries on the stand-in)" if scratch >= 1 << 20 else "")
-        return (f"{when} the step holds {format_size(self.pinned_bytes)} of tensors that cannot be swapped and "
+        return (f"{when} the step holds {format_size(self.pinned_bytes)} of tensors that cannot be {moved} and "
                 f"{format_size(self.touched_bytes)} that the running ops read or write (largest: {held}){extra}; "
                 f"with {format_size(schedule.resident_bytes)} resident (variables, constants) that is "
                 f"{format_size(self.bytes)} > {format_size(budget)}")

@@ -18,7 +18,7 @@ from lmscli.cliopts import console as _console
 from lmscli.cliopts import emit_json, error_document, feed_option, gpu_mem_text, profile_options, size_text
 from lmscli.device import NO_BUDGET, STAND_IN_LINK
 from lmscli.device import PRESETS as _PRESETS
-from lmscli.errors import EXIT_ERROR, LmsError
+from lmscli.errors import EXIT_ERROR, EXIT_NO_FIT, LmsError
 
 PRESET_NAMES = tuple(_PRESETS)
 
@@ -35,7 +35,8 @@ class LmsGroup(click.Group):
             if _debug(ctx):
                 traceback.print_exc()
             _error_json(ctx, exc.exit_code, type(exc).__name__, str(exc))
-            click.echo(f"lms: error: {exc}", err=True)
+            # (no plan under a budget is an answer, not a failure: QA r49 read "lms: error:" as a crash)
+            click.echo(f"lms: {exc}" if exc.exit_code == EXIT_NO_FIT else f"lms: error: {exc}", err=True)
             ctx.exit(exc.exit_code)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
             raise

@@ -108,8 +108,11 @@ def test_recomputation_only_keeps_every_stack_on_the_gpu(stack_rnn):
     (nothing in host memory). At a budget only hosting reaches, it has no plan."""
     _model, prepared = stack_rnn
     budget = (api.analyze(prepared).lower_bound_bytes + _plain_bound(prepared)) // 2
-    with pytest.raises(api.NoFitError):
+    with pytest.raises(api.NoFitError) as caught:
         api.tune(prepared, api.make_device(gpu_mem=budget, reserve=0.0), api.TuneOptions(strategy="recompute"))
+    # (the stacks are what it cannot make again; "cannot be swapped" read as if nothing could host
+    # them, QA r49 P8)
+    assert "cannot be made again (this strategy moves nothing to the host)" in str(caught.value)
 
 
 def test_plans_naming_stacks_wrongly_are_refused(stack_rnn):

@@ -111,6 +111,8 @@ def test_budget_below_lower_bound_is_exit_3(samples, runner):
     assert result.exit_code == 3
     assert "no swap or recompute plan can fit" in result.stderr and "cannot be swapped" in result.stderr
     assert "Traceback" not in result.stderr
+    # an answer, not a failure: one line, without the "error:" of exit 1 (QA r49 P8)
+    assert result.stderr.startswith("lms: no swap or recompute plan") and len(result.stderr.splitlines()) == 1
 
 
 def test_a_no_plan_answer_says_why_the_judge_moved_the_budget(samples):

@@ -351,6 +351,22 @@ def test_html_report_escapes_graph_strings(tuned):
     assert "No plot" in page
 
 
+def test_a_plan_taken_from_the_tflms_style_search_says_so(tuned):
+    """A hybrid (or swap) plan whose candidate came from the TFLMS-style search lists that search's
+    parameters under a name people read (QA r49: "tflms_search: swapout_threshold 217, ..." under a
+    hybrid plan did not say the hybrid had taken that search's plan); TFLMS's own stay as they are."""
+    from lmscli.report import parameters_line
+
+    taken = {"tflms_search": {"swapout_threshold": 217, "swapin_ahead": 31}}
+    assert parameters_line(taken) == ("the plan of the TFLMS-style search, the best candidate here: "
+                                      "swapout_threshold 217, swapin_ahead 31")
+    assert parameters_line({"swapout_threshold": 3, "sync_mode": 0}) == "swapout_threshold 3; sync_mode 0"
+    doc = json.loads(tuned.stdout)
+    doc["plan"]["parameters"] = {"tflms_search": {"swapout_threshold": "<5>"}}
+    page = html_report.render(doc, None)
+    assert "the plan of the TFLMS-style search, the best candidate here: swapout_threshold &lt;5&gt;" in page
+
+
 def _chromium():
     return shutil.which("chromium") or shutil.which("chromium-browser")
 

@@ -2005,7 +2005,12 @@ def _no_fit_message(ctx: _Context, bound, budget: int, strategy: str) -> str:
     where = "the stand-in" if ctx.waited_out else "a GPU"
     model = "Grappler's estimate" if ctx.schedule.memory_model == "grappler" else "lms's model of its executor"
     return (f"no {_plan_kind(strategy)} plan can fit under {_budget_words(ctx.device)} on {where}, by {model}: "
-            f"{bound.explain(ctx.schedule, budget)}")
+            f"{bound.explain(ctx.schedule, budget, _MOVED.get(strategy_name(strategy), 'swapped'))}")
+
+
+# what a strategy does with a tensor, for a no-plan message (a loop's stacks are "tensors that cannot
+# be made again" under --strategy recompute, which hosts none of them)
+_MOVED = {"recompute": "made again (this strategy moves nothing to the host)", "hybrid": "swapped or made again"}
 
 
 def _plan_kind(strategy: str) -> str:

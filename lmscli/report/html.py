@@ -11,6 +11,7 @@ from html import escape
 
 from lmscli import __version__
 from lmscli.errors import InputError
+from lmscli.report import parameters_line
 from lmscli.units import format_flops, format_size
 
 INLINE_LIST = 4  # consumers shown before the rest folds into <details>
@@ -156,7 +157,8 @@ def _plan(doc: dict, svg: str | None) -> str:
         ("budget", _size(budget)),
         ("link", f"{_e(dev.get('link'))}" + (f" ({link_rate / 1e9:.0f} GB/s per direction)" if link_rate else "")),
         ("host memory for swapped tensors", f"{_size(pred.get('host_peak_bytes'))} of {_size(dev.get('host_mem_bytes'))}"),
-        ("strategy", _e(plan.get("strategy")) + (f" ({_params(plan['parameters'])})" if plan.get("parameters") else "")),
+        ("strategy", _e(plan.get("strategy"))
+         + (f" ({_e(parameters_line(plan['parameters']))})" if plan.get("parameters") else "")),
         ("swapping", "necessary" if doc.get("necessary", True) else "not necessary: the graph fits without it"),
         ("graph fingerprint", _code(plan.get("graph_sha256"))),
     ]
@@ -216,17 +218,6 @@ def _plan(doc: dict, svg: str | None) -> str:
         parts.append(_table(("#", "ops run one after another"),
                             [(str(i + 1), _names(chain, levels)) for i, chain in enumerate(chains)], numeric=(0,)))
     return "".join(parts)
-
-
-def _params(params: dict) -> str:
-    """``{'tflms_search': {'swapout_threshold': 95}}`` as ``tflms_search: swapout_threshold 95``."""
-    parts = []
-    for key, value in params.items():
-        if isinstance(value, dict):
-            parts.append(f"{_e(key)}: " + ", ".join(f"{_e(k)} {_e(v)}" for k, v in value.items()))
-        else:
-            parts.append(f"{_e(key)} {_e(value)}")
-    return "; ".join(parts)
 
 
 def _change(a, b) -> str:

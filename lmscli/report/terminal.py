@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from lmscli.report import termchart
+from lmscli.report import parameters_line, termchart
 from lmscli.device import NO_BUDGET
 from lmscli.units import format_flops, format_size
 
@@ -248,9 +248,7 @@ def render_tune(console: Console, result, details: dict | None = None) -> None:
         t.add_row(f"  on {name}", f"{figures['step_time_s'] * 1e3:.2f} ms (overhead {_pct(figures['overhead'])}, "
                   f"peak {format_size(figures['peak_bytes'])})")
     if plan.parameters:
-        t.add_row("parameters", "; ".join(
-            f"{k}: " + ", ".join(f"{a} {b}" for a, b in v.items()) if isinstance(v, dict) else f"{k} {v}"
-            for k, v in plan.parameters.items()))
+        t.add_row("parameters", parameters_line(plan.parameters))
     console.print(t)
     details = details or {}
     if plan.changes:
