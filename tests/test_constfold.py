@@ -114,6 +114,26 @@ def test_the_runtimes_constant_is_in_the_predicted_need(mean_loss):
         assert_within_fidelity(stand_in, model, realmem.predict(model, stand_in=stand_in)[0].predicted_standin_bytes)
 
 
+def test_equal_shapes_of_a_deep_net_of_diamonds_are_found_at_once():
+    """QA r50: each swish activation ``h * sigmoid(h)`` reads its input twice, and the keys that
+    compare runtime constants were nested tuples whose hashing walked every path back to the
+    input: twice as long per layer (`lms analyze` of an EfficientNet-style net ran out of time).
+    Keys are interned now, and made without recursion (600 layers go deeper than Python's stack)."""
+    from lmscli.graph.constfold import repeated
+
+    nodes, sizes, h = [("x", "Placeholder", [], "")], {"x": 64}, "x"
+    for k in range(600):
+        nodes += [(f"s{k}", "Sigmoid", [h], ""), (f"m{k}", "Mul", [h, f"s{k}"], "")]
+        sizes.update({f"s{k}": 64, f"m{k}": 64})
+        h = f"m{k}"
+    nodes += [("shape_a", "Shape", [h], ""), ("shape_b", "Shape", [h], ""), ("shape_c", "Shape", ["s3"], "")]
+    sizes.update({"shape_a": 4, "shape_b": 4, "shape_c": 4})
+    view = _view(nodes, sizes)
+    index = {name: i for i, name in enumerate(view.names)}
+    folded = {(index[name], 0) for name in ("shape_a", "shape_b", "shape_c")}
+    assert repeated(view, folded) == {(index["shape_b"], 0)}  # (shape_c reads another tensor)
+
+
 @pytest.fixture(scope="module")
 def idle_and_repeated(tmp_path_factory):
     """A step with a 4 MiB variable it never reads (another signature's, say), and a segment

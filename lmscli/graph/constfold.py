@@ -103,19 +103,34 @@ def repeated(view: GraphView, folded) -> frozenset[tuple[int, int]]:
           --> one Fill, one 8 MiB constant
     """
     keys: dict = {}
+    # A key is a small integer naming its (op, device, attributes, input keys): nested, the keys
+    # were trees whose hashing walked every path of the graph (QA r50: a net of swish activations,
+    # each read twice, took twice as long per layer; `lms analyze` ran out of time at 30 layers).
+    # Made without recursion: the inputs of a shape op go back to the step's first op.
+    ids: dict = {}
+    visiting = object()
 
-    def key(i: int):
-        if i not in keys and view.ops[i] in CONSTANT_OPS and any(
-                (info.num_bytes or 0) > KEYED_CONSTANT_BYTES for info in view.outputs(i)):
-            keys[i] = ("node", i)
-        if i not in keys:
-            node = view.node_defs[i]
-            attrs = tuple(sorted((name, value.SerializeToString(deterministic=True))
-                                 for name, value in node.attr.items() if not name.startswith("_")))
-            keys[i] = None  # (a cycle, as through a loop, has no key)
-            inputs = tuple((key(src), out) for src, out in view.data_inputs[i])
-            keys[i] = None if any(k is None for k, _out in inputs) else (view.ops[i], view.gpus[i], attrs, inputs)
-        return keys[i]
+    def key(first: int):
+        stack = [first]
+        while stack:
+            i = stack[-1]
+            if i not in keys:
+                if view.ops[i] in CONSTANT_OPS and any((info.num_bytes or 0) > KEYED_CONSTANT_BYTES
+                                                       for info in view.outputs(i)):
+                    keys[i] = ids.setdefault(("node", i), len(ids))
+                else:
+                    keys[i] = visiting  # (its inputs first)
+                    stack.extend(src for src, _out in view.data_inputs[i] if src not in keys)
+                    continue
+            elif keys[i] is visiting:  # its inputs have keys now (None through a cycle, as a loop's)
+                inputs = tuple((keys[src], out) for src, out in view.data_inputs[i])
+                node = view.node_defs[i]
+                attrs = tuple(sorted((name, value.SerializeToString(deterministic=True))
+                                     for name, value in node.attr.items() if not name.startswith("_")))
+                keys[i] = None if any(k is None or k is visiting for k, _out in inputs) else ids.setdefault(
+                    (view.ops[i], view.gpus[i], attrs, inputs), len(ids))
+            stack.pop()
+        return keys[first]
 
     seen: set = set()
     out = set()
