@@ -747,3 +747,62 @@ def test_attentions_head_split_transposes_are_swapped_and_matrix_transposes_are_
     rewritten = api.rewrite(prepared, plan)[0]
     before = steps.run_steps(model.meta_graph, model.fetches, steps=2)
     assert steps.first_difference(before, steps.run_steps(rewritten, model.fetches, steps=2)) is None
+
+
+@pytest.fixture(scope="module")
+def silu_net(tmp_path_factory):
+    """Six 3x3 convolutions (8x32x32), each followed by a batch norm and the swish tf_keras uses
+    (``tf.nn.silu``: a custom gradient that computes ``beta * x`` and ``x`` squared again), the
+    optimizer's step waiting for the batch norms' moving-average updates, as tf_keras models make it."""
+    from lmscli.tfimport import tensorflow
+
+    tf = tensorflow()
+    v1 = tf.compat.v1
+    path = tmp_path_factory.mktemp("silu") / "silu.meta"
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(0)
+        h = v1.placeholder(tf.float32, [8, 32, 32, 8], name="images")
+        for k, width in enumerate((32, 32, 48, 48, 64, 64)):
+            w = v1.get_variable(f"w{k}", [3, 3, h.shape[-1], width], use_resource=True,
+                                initializer=v1.glorot_uniform_initializer(seed=k))
+            h = tf.nn.conv2d(h, w, 1, "SAME")
+            with v1.variable_scope(f"bn{k}"):
+                scale = v1.get_variable("gamma", [width], initializer=v1.ones_initializer(), use_resource=True)
+                offset = v1.get_variable("beta", [width], initializer=v1.zeros_initializer(), use_resource=True)
+                moving = v1.get_variable("moving_mean", [width], initializer=v1.zeros_initializer(),
+                                         use_resource=True, trainable=False)
+                h, mean, _var = v1.nn.fused_batch_norm(h, scale, offset, is_training=True)
+                v1.add_to_collection(v1.GraphKeys.UPDATE_OPS, v1.assign_sub(moving, (moving - mean) * 0.01))
+            h = tf.nn.silu(h)
+        loss = tf.identity(tf.reduce_mean(tf.square(tf.reduce_mean(h, [1, 2]))), name="loss")
+        with tf.control_dependencies(v1.get_collection(v1.GraphKeys.UPDATE_OPS)):
+            v1.add_to_collection("train_op", v1.train.MomentumOptimizer(0.01, 0.9).minimize(loss))
+        v1.train.export_meta_graph(str(path), graph=graph)
+    return path
+
+
+@pytest.mark.slow
+def test_a_graph_grappler_shrinks_unevenly_is_planned_for_more_as_written(silu_net, runner, tmp_path, monkeypatch):
+    """QA r50 (a tf_keras EfficientNet-style net): the swish gradients' ops that read only the
+    activation wait for the moving-average updates, so as written they run when the forward pass
+    ends and hold their outputs through the backward pass, where no swap can move them; Grappler's
+    optimizations fold them away (here 41.1 MiB as written, 32.1 run). The budget scaled by that
+    ratio was out of reach as written: no plan at 58% of the peak (less the 10% reserve), though the graph TensorFlow runs
+    fitted with a plan made for more. The tune loop now plans for targets between the scaled one
+    and the peak as written, and the judge decides."""
+    from lmscli.model.simulator import simulate
+    from lmscli.plan import tuning
+
+    prepared = api.prepare(api.load(str(silu_net)))
+    device = api.make_device(gpu_mem=int(simulate(prepared.schedule, detail=False).peak_bytes * 0.58), link="pcie3")
+    with monkeypatch.context() as patched:
+        patched.setattr(tuning, "FOR_MORE_STEPS", 0)
+        with pytest.raises(NoFitError, match="it was planned for"):
+            api.tune(prepared, device)
+    result = api.tune(prepared, device)
+    assert result.plan.changes and result.plan.predicted["run_peak_bytes"] <= device.budget
+    out = tmp_path / "out.meta"
+    api.save(prepared.model, api.rewrite(prepared, result.plan)[0], str(out))
+    verified = invoke(runner, "verify", silu_net, out, "--no-measure")
+    assert verified.exit_code == 0 and "bit-identical" in verified.output
