@@ -309,13 +309,20 @@ REMOVED_ALIASES = frozenset({"Identity", "StopGradient", "PreventGradient", "Sna
 # expand their input twice, for the filter and the gate; Grappler keeps one ExpandDims, and with
 # the other unswappable no plan could free the buffer: stuck at 1.6x the lower bound).
 REMOVED_RESHAPES = frozenset({"Reshape", "ExpandDims", "Squeeze", "EnsureShape"})
+# ``tf.custom_gradient`` returns its results through an IdentityN of the results and the inputs
+# (output k forwards input k), which Grappler removes: every ``tf.nn.silu``/tf_keras swish output
+# is one (QA r50: an EfficientNet-style net's activations, read again by the next convolution's
+# filter gradient, were no candidates, and no plan reached 55% of its peak).
+REMOVED_MULTI_ALIASES = frozenset({"IdentityN"})
 
 
 def removed_alias(view: GraphView, node: int) -> bool:
     """Is ``node`` (which Grappler removes) a forwarding op whose output may be swapped: one of
-    :data:`REMOVED_ALIASES` with one input, or one of :data:`REMOVED_RESHAPES`?"""
+    :data:`REMOVED_ALIASES` with one input, an IdentityN (:data:`REMOVED_MULTI_ALIASES`), or one of
+    :data:`REMOVED_RESHAPES`?"""
     op = view.ops[node]
-    return (op in REMOVED_ALIASES and len(view.data_inputs[node]) == 1) or op in REMOVED_RESHAPES
+    return ((op in REMOVED_ALIASES and len(view.data_inputs[node]) == 1) or op in REMOVED_RESHAPES
+            or op in REMOVED_MULTI_ALIASES)
 
 
 def boundary(view: GraphView, node: int) -> bool:
