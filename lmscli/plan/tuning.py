@@ -655,7 +655,7 @@ class _RunSearch:
         than the graph as written, where it needs less)."""
         text = str(planning).rsplit("; try ", 1)[0]
         kind = text.split(" found under ", 1)[0] if text.startswith("no ") else "no plan"
-        stuck = text.split(": at ", 1)[1] if ": at " in text else None
+        stuck = text.split(": at ", 1)[1].replace(" the ", ": the ", 1) if ": at " in text else None
         why = (f"planning the graph as written for less stopped at {stuck}" if stuck else
                f"planning for less found nothing ({text})")
         exc = NoFitError(f"{kind} found under {format_size(self.budget)}: the graph TensorFlow runs needed "
