@@ -179,6 +179,37 @@ def test_find_max_batch(samples):
         api.tune(api.prepare(model, batch_size=batch + 1), device, check=False)
 
 
+def test_find_max_batch_steps_down_when_the_judge_turns_the_planners_size_down(samples, monkeypatch):
+    """The planner's search proposes a batch size; the full tune loop (guard and judge) decides.
+    Where its judge turns every plan down, smaller sizes are searched with the full loop, not
+    answered with "no plan" (QA r50: an Inception-style net at 40 MiB)."""
+    from lmscli.plan import tuning
+
+    model = api.load(str(samples / "unknown_batch.meta"))
+    prepared = api.prepare(model, batch_size=8)
+    device = api.make_device(gpu_mem=int(api.analyze(prepared).peak_bytes), reserve=0.0)
+    real = tuning.tune
+    judged = []
+
+    def tune(prepared, device, options=api.TuneOptions(), check=True, **kw):
+        if check:
+            judged.append(prepared.batch_size)
+            if prepared.batch_size > 5:
+                raise NoFitError(f"the judge turned batch {prepared.batch_size} down")
+        return real(prepared, device, options, check=check, **kw)
+
+    monkeypatch.setattr(tuning, "tune", tune)
+    batch, result, prepared = api.find_max_batch(model, device)
+    assert batch == 5 and prepared.batch_size == 5 and result.fits
+    assert judged[0] >= 8 and judged[-1] in (5, 6) and set(judged) >= {5, 6}
+    assert any("batch size 5 fits, 6 does not" in line for line in result.log)
+    monkeypatch.setattr(tuning, "tune", lambda *a, check=True, **kw: (_ for _ in ()).throw(NoFitError("over"))
+                        if check else real(*a, check=check, **kw))
+    with pytest.raises(NoFitError, match="no batch size fits this device: the planner's search found .* at batch "
+                                         "size 1: over"):
+        api.find_max_batch(model, device)
+
+
 def test_setup_cfg_defaults(samples, runner, tmp_path, monkeypatch):
     (tmp_path / "setup.cfg").write_text("[lms]\ngpu_mem = 16GiB\nlink = pcie3\n")
     monkeypatch.chdir(tmp_path)

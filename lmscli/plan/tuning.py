@@ -702,15 +702,52 @@ RUN_ROUNDS = 5
 
 
 @timed("largest batch search")
+def _judged_batch(batch: int, prepared: Prepared, prepare_batch, device: Device, options: TuneOptions):
+    """The full tune loop (guard and judge) at the batch size the planner's search found; when its
+    judge turns every plan there down, a bisection below it with the full loop (QA r50: the
+    planner's search found 30 for an Inception-style net at 40 MiB, the judge's graph TensorFlow
+    runs needed more with each plan, and the answer was "no plan", with no word of a batch size).
+    Returns ``(result, batch, prepared, log lines)``."""
+    try:
+        return tune(prepared, device, options, check=True), batch, prepared, ()
+    except NoFitError as exc:
+        missed = exc
+    lines = [f"[LMS] batch size {batch}: the planner's plan was turned down ({str(missed).split('; try ')[0]}); "
+             "searching smaller sizes with the full tune loop"]
+    lo, hi, found = 0, batch, None
+    while hi - lo > 1:
+        if timing.out_of_time():
+            break
+        mid = (lo + hi) // 2
+        timing.step(f"batch size {mid}, judged")
+        candidate = prepare_batch(mid)
+        try:
+            found = (tune(candidate, device, options, check=True), mid, candidate)
+            lo = mid
+        except NoFitError as exc:
+            hi, missed = mid, exc
+    if found is None:
+        where = "batch size 1" if hi == 1 else f"batch size {hi} (sizes below were not tried: --time-limit)"
+        raise NoFitError(f"no batch size fits this device: the planner's search found {batch}, but at {where}: "
+                         f"{missed}", bound_bytes=missed.bound_bytes, binding_op=missed.binding_op,
+                         budget_bytes=device.budget)
+    lines.append(f"[LMS] batch size {found[1]} fits" + (f", {hi} does not" if hi < batch else ""))
+    return found + (tuple(lines),)
+
+
 def find_max_batch(model: Model, device: Device, options: TuneOptions = TuneOptions(), limit: int = 1 << 16,
                    cost_model: str = "grappler", judge: str = "executor", feed_values: dict | None = None):
     """The largest batch size for which a plan fits ``device`` (exponential then binary search).
     Returns ``(batch_size, TuneResult, Prepared)``; raises NoFitError if batch 1 does not fit.
     ``feed_values``: placeholder values the steps are fed (:func:`lmscli.analysis.prepare`)."""
-    def attempt(batch: int):
+    def attempt_prepared(batch: int) -> Prepared:
         prepared = prepare(model, batch_size=batch, cost_model=cost_model, judge=judge, feed_values=feed_values)
         if not prepared.batched_placeholders:
             raise InputError("--find-max-batch needs a graph whose placeholders have an unknown batch dimension")
+        return prepared
+
+    def attempt(batch: int):
+        prepared = attempt_prepared(batch)
         try:
             return tune(prepared, device, options, check=False, guard=False), prepared
         except NoFitError:
@@ -718,7 +755,12 @@ def find_max_batch(model: Model, device: Device, options: TuneOptions = TuneOpti
 
     first = attempt(1)
     if first is None:
-        raise NoFitError("even batch size 1 does not fit this device")
+        try:  # (the reason, from the full tune loop)
+            tune(attempt_prepared(1), device, options, check=True)
+        except NoFitError as exc:
+            raise NoFitError(f"even batch size 1 does not fit this device: {exc}", bound_bytes=exc.bound_bytes,
+                             binding_op=exc.binding_op, budget_bytes=device.budget) from None
+        first = attempt(1)
     best = (1,) + first
     lo, hi = 1, None
 
@@ -745,7 +787,9 @@ def find_max_batch(model: Model, device: Device, options: TuneOptions = TuneOpti
     while hi - lo > 1 and not stopped:
         stopped = probe((lo + hi) // 2) is None
     batch, _result, prepared = best
-    result = tune(prepared, device, options, check=True)
+    result, batch, prepared, lines = _judged_batch(batch, prepared, attempt_prepared, device, options)
+    if lines:
+        result = replace(result, log=result.log + lines)
     if stopped:
         untried = (f"{hi} does not fit, sizes between were not tried" if hi is not None
                    else "larger sizes were not tried")
