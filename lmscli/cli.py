@@ -15,7 +15,7 @@ import click
 
 from lmscli import __version__
 from lmscli.cliopts import console as _console
-from lmscli.cliopts import emit_json, error_document, feed_option, gpu_mem_text, profile_options, size_text
+from lmscli.cliopts import JSON_ASKED, emit_json, error_document, feed_option, gpu_mem_text, profile_options, size_text
 from lmscli.device import NO_BUDGET, STAND_IN_LINK
 from lmscli.device import PRESETS as _PRESETS
 from lmscli.errors import EXIT_ERROR, EXIT_NO_FIT, LmsError
@@ -25,12 +25,26 @@ PRESET_NAMES = tuple(_PRESETS)
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
+RAW_ARGS = "lms.raw_args"  # click context meta: the arguments after ``lms``
+
+
 class LmsGroup(click.Group):
     """Turns library errors into one line on stderr and the documented exit code."""
+
+    def parse_args(self, ctx, args):
+        ctx.meta[RAW_ARGS] = list(args)  # (for a usage error's JSON document: see invoke)
+        return super().parse_args(ctx, args)
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except click.UsageError as exc:
+            # A usage error (exit 2) with --json is a document too (QA r50: a bad --gpu-mem gave
+            # an empty stdout); click prints the usage on stderr as always.
+            if "--json" in (ctx.meta.get(RAW_ARGS) or ()):
+                ctx.meta[JSON_ASKED] = True
+                _error_json(ctx, exc.exit_code, "UsageError", exc.format_message())
+            raise
         except LmsError as exc:
             if _debug(ctx):
                 traceback.print_exc()

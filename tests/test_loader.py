@@ -130,6 +130,25 @@ def test_bad_input_with_json_is_an_error_document(command, tmp_path, samples, ru
     assert not out.exists()
 
 
+@pytest.mark.parametrize("args", [("rewrite", "MODEL", "OUT", "--gpu-mem", "12XB"), ("tune", "MODEL", "--nosuch"),
+                                  ("verify", "MODEL"), ("nosuch",)])
+def test_a_usage_error_with_json_is_an_error_document_too(args, tmp_path, samples, runner):
+    """Exit 2 with --json prints an lms.error document (QA r50: a bad --gpu-mem gave an empty
+    stdout); the usage and the error stay on stderr, as click prints them."""
+    import json
+
+    out = tmp_path / "out.meta"
+    args = [a.replace("MODEL", str(samples / "mlp.meta")).replace("OUT", str(out)) for a in args]
+    result = invoke(runner, *args, "--json")
+    assert result.exit_code == 2, result.output
+    doc = json.loads(result.stdout)
+    assert doc["schema"] == "lms.error" and doc["exit_code"] == 2 and doc["error"]["type"] == "UsageError"
+    assert doc["command"] == (None if args[0] == "nosuch" else args[0])
+    assert doc["error"]["message"] and doc["error"]["message"] in result.stderr and "Usage:" in result.stderr
+    assert not out.exists()
+    assert invoke(runner, *args).stdout == ""  # (without --json, nothing on stdout)
+
+
 def test_debug_shows_traceback(tmp_path, runner):
     path = tmp_path / "empty.pb"
     path.write_bytes(b"")
