@@ -559,7 +559,7 @@ def test_a_chosen_recomputation_is_made_earlier_for_a_tensor_made_again_from_it(
     2-layer encoder fits at 14 MiB (none did), passes the optimizer guard, and trains
     bit-identically."""
     from lmscli.errors import NoFitError
-    from lmscli.plan import planner
+    from lmscli.plan import planner, recompute
 
     model, prepared = encoder
     device = api.make_device(gpu_mem=14 << 20, reserve=0.0)
@@ -574,6 +574,10 @@ def test_a_chosen_recomputation_is_made_earlier_for_a_tensor_made_again_from_it(
     new_graph, _ = api.rewrite(prepared, result.plan)
     _identical(model, new_graph)
 
+    # (Recipes of up to 10 ops and 5 rings now also make the output again from the matrix product
+    # before it, past the GELU's inner tensors: with the former 6 and 3, only _advanced did.)
     monkeypatch.setattr(planner, "ADVANCE_DEPTH", 0)
+    monkeypatch.setattr(recompute, "MAX_OPS", 6)
+    monkeypatch.setattr(recompute, "MAX_DEPTH", 3)
     with pytest.raises(NoFitError):
         api.tune(prepared, device, TuneOptions(strategy="recompute"), check=False)
