@@ -454,6 +454,7 @@ def test_a_bound_raised_by_the_guard_says_so(samples):
     which is then above the one `lms analyze` gives: the message says why (QA: an attention
     model's bound read 16.0 MiB near 80% of its peak and 13.5 MiB at 50%)."""
     from lmscli.plan.planner import _Context, tune as plan_tune
+    from lmscli.units import format_size
 
     prepared = api.prepare(api.load(str(samples / "cnn.meta")))
     bound = api.analyze(prepared).lower_bound_bytes
@@ -468,6 +469,24 @@ def test_a_bound_raised_by_the_guard_says_so(samples):
     assert "3 tensor(s) the optimizer guard leaves unswapped" in str(caught.value)
     assert sched.label(big[0]) in str(caught.value)  # named, largest first, with their sizes
     plan_tune(prepared, device, TuneOptions())  # without them, a plan
+    with pytest.raises(NoFitError) as recomputing:  # (in the words of the strategy: QA r51)
+        plan_tune(prepared, device, TuneOptions(strategy="recompute", forbidden=forbidden))
+    assert "3 tensor(s) the optimizer guard keeps from being made again" in str(recomputing.value)
+    assert "unswapped" not in str(recomputing.value) and "a clone there changes" in str(recomputing.value)
+
+    # Planned for more as written (the graph TensorFlow runs needs less) and stuck there, with the
+    # budget under the bound as written: the bound comes first, beside the budget (QA r51: "under
+    # 13.75 MiB ... planned as 21.22 MiB ... (lower bound 15.72 MiB)" read as a contradiction)
+    from lmscli.plan.planner import _Stuck, _stuck_message
+
+    lb = caught.value.bound_bytes
+    stuck = _Stuck(sched.tensors[big[0]].consumers[-1], None, need_bytes=lb + (4 << 20))
+    text = _stuck_message(ctx, stuck, "hybrid", lb + (2 << 20) - sched.resident_bytes, lb, " (with 3 tensor(s) ...)")
+    assert text.startswith(f"no swap or recompute plan found under {format_size(device.budget)}, below the lower "
+                           f"bound of the graph as written, {format_size(lb)} (with 3 tensor(s) ...) (the graph "
+                           "TensorFlow runs needs less than the graph as written, so it was planned as "
+                           f"{format_size(lb + (2 << 20))} for the graph as written): at "), text
+    assert text.count("lower bound") == 1 and text.count("(with 3") == 1 and text.count("; try ") == 1
 
 
 def test_gradients_waiting_at_a_join_are_swapped_through_identities_grappler_removes(tmp_path):

@@ -1944,8 +1944,12 @@ def _guard_words(options: TuneOptions, view) -> str:
     largest = ", ".join(f"{name} (a gradient stack, kept on the GPU)" if stack else f"{name} {format_size(-size)}"
                         for size, name, stack in sorted(sized)[:3])
     more = ", ..." if len(sized) > 3 else ""
-    return (f" (with {len(options.forbidden)} tensor(s) the optimizer guard leaves unswapped ({largest}{more}), "
-            "since a swap node there changes what Grappler's optimizations do; `lms analyze` counts them as "
+    # (what the guard keeps the strategy from doing, in its words: QA r51, recompute-only answers spoke
+    # of tensors left "unswapped")
+    left, node = (("keeps from being made again", "a clone") if options.strategy == "recompute" else
+                  ("leaves unswapped", "a swap node"))
+    return (f" (with {len(options.forbidden)} tensor(s) the optimizer guard {left} ({largest}{more}), "
+            f"since {node} there changes what Grappler's optimizations do; `lms analyze` counts them as "
             "swappable)")
 
 
@@ -1960,6 +1964,14 @@ def _stuck_message(ctx: _Context, stuck: _Stuck, strategy: str, budget_act: int,
     planned = budget_act + sched.resident_bytes
     under = _budget_words(ctx.device)
     kind = _plan_kind(strategy)
+    bound = f" (lower bound {format_size(lb)})"
+    if lb > ctx.device.budget:
+        # The budget is under the bound of the graph as written (the one the guard's tensors
+        # raise): that first (QA r51: "under 13.75 MiB ... planned as 21.22 MiB ... (lower bound
+        # 15.72 MiB)" read as a contradiction). The graph TensorFlow runs may need less than
+        # the graph as written: no plan is not proven, only not found.
+        under += f", below the lower bound of the graph as written, {format_size(lb)}{guard}"
+        bound = guard = ""
     needs = f"the {strategy} strategy still needs {format_size(stuck.need_bytes)}"
     moved = abs(planned - ctx.device.budget) > ctx.device.budget // 200  # the judge's margin moved it ...
     if moved or planned < stuck.need_bytes <= ctx.device.budget:  # ... or the move is why a need under it fails
@@ -1973,7 +1985,7 @@ def _stuck_message(ctx: _Context, stuck: _Stuck, strategy: str, budget_act: int,
         over = "just over" if format_size(stuck.need_bytes) == format_size(planned) else "over"
         needs += f" as written, {over} the {format_size(planned)} it was planned for"
     return (f"no {kind} plan found under {under}: at "
-            f"{sched.names[stuck.position]}{where} {needs} (lower bound {format_size(lb)}){guard}; "
+            f"{sched.names[stuck.position]}{where} {needs}{bound}{guard}; "
             "try a larger --gpu-mem or a smaller batch")
 
 

@@ -264,7 +264,9 @@ def _checked_tune(prepared: Prepared, device: Device, options: TuneOptions, chec
     def noted(result):
         lines = list(said)
         if forbidden:
-            lines.append(f"[LMS] left {len(forbidden)} tensor(s) unswapped: a swap node there changes what Grappler's "
+            left, node = (("as they are", "a clone") if options.strategy == "recompute" else
+                          ("unswapped", "a swap node"))
+            lines.append(f"[LMS] left {len(forbidden)} tensor(s) {left}: {node} there changes what Grappler's "
                          f"optimizations do to the graph, and with it the last bits of the results "
                          f"({guard_rounds} round(s))")
         if fixed:
