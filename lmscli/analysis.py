@@ -481,6 +481,32 @@ class Analysis:
         return {"schema": "lms.analysis", "version": SCHEMA_VERSION, **data}
 
 
+def saved_trainable_bytes(model: Model) -> int | None:
+    """Bytes of the trainable variables a TensorFlow 2 SavedModel's object graph lists (it has no
+    ``trainable_variables`` collection; QA r51: an MLP-Mixer's learning parameters were shown
+    as all its variables, Adam's slots included); None when it lists none."""
+    from tensorflow.python.framework import dtypes
+
+    nodes = model.meta_graph.object_graph_def.nodes
+    found, total = False, 0
+    for node in nodes:
+        if node.WhichOneof("kind") != "variable":
+            continue
+        found = True
+        var = node.variable
+        if not var.trainable or var.shape.unknown_rank or any(d.size < 0 for d in var.shape.dim):
+            continue
+        try:
+            itemsize = dtypes.as_dtype(var.dtype).base_dtype.size
+        except Exception:
+            continue
+        count = 1
+        for d in var.shape.dim:
+            count *= d.size
+        total += count * itemsize
+    return total if found else None
+
+
 def trainable_names(model: Model) -> set[str] | None:
     """Node names of the trainable variables per the MetaGraphDef collections (None when absent)."""
     meta = model.meta_graph
@@ -769,7 +795,8 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
     var_nodes = [i for i in range(view.size) if view.ops[i] in VARIABLE_OPS]
     all_var_bytes = sum(variable_bytes(view, i) for i in var_nodes)
     if trainable is None:
-        param_bytes = all_var_bytes
+        param_bytes = saved_trainable_bytes(model)
+        param_bytes = all_var_bytes if param_bytes is None else min(param_bytes, all_var_bytes)
     else:
         param_bytes = sum(variable_bytes(view, i) for i in var_nodes if view.names[i] in trainable)
     cands = candidates(view, schedule, filters, prepared.fused, untaken=prepared.untaken)

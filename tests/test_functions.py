@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from lmscli import api
@@ -48,6 +49,19 @@ def test_the_step_is_inlined_and_fetched_from_its_signature(tf2_step):
     analysis = api.analyze(prepared)
     assert analysis.peak_bytes > 8 * 2**20  # the blocks' activations (1 MiB each), not 3 opaque ops
     assert model.meta_graph.signature_def["train"].outputs["loss"].name == "StatefulPartitionedCall/output_0:0"
+
+
+def test_a_saved_models_learning_parameters_are_its_trainable_variables(tf2_step):
+    """A TensorFlow 2 SavedModel has no trainable_variables collection: its object graph says
+    which variables are trainable (QA r51: analyze gave all variables, the optimizer's
+    momentum included, as learning parameters)."""
+    model, prepared = tf2_step
+    analysis = api.analyze(prepared)
+    trainable = [n.variable for n in model.meta_graph.object_graph_def.nodes
+                 if n.WhichOneof("kind") == "variable" and n.variable.trainable]
+    sizes = [4 * int(np.prod([d.size for d in v.shape.dim])) for v in trainable]  # (float32)
+    assert trainable and analysis.parameter_bytes == sum(sizes)
+    assert 2 * analysis.parameter_bytes <= analysis.variable_bytes  # SGD's momentum: one slot per parameter
 
 
 def test_the_inlined_step_trains_as_the_calls_do(samples, tf2_step):
