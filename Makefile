@@ -16,8 +16,9 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 # Two workers, a test file each at a time (its module fixtures made once): most tests wait on one
-# core (a stand-in's server runs one thread), and the suite takes 9 to 13 minutes here (473 tests,
-# stop 50: 13.0 on a clean clone beside a QA run on the same 2 cores, 13.5 with the install).
+# core (a stand-in's server runs one thread), and the suite takes 9 to 13 minutes here alone (481
+# tests, stop 51: 19.0 on a clean clone beside a benchmark run on the same 2 cores, 19.7 with the
+# install).
 test: install
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
