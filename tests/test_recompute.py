@@ -248,6 +248,28 @@ def test_recipes_clone_cheap_chains_and_never_random_or_stateful_ops(cnn):
     assert all("Momentum" in sched.ops[w] for w in made["b1/relu"][0].writers)
 
 
+def test_the_short_recipes_are_the_recipes_of_the_short_limits(samples, monkeypatch):
+    """The planner plans with the short recipes and with all (each is better somewhere: a greedy
+    choice). The short ones, taken from the long lists, are exactly what the short limits make
+    (each tensor's list is shortest first, chains only grow), and the long lists add recipes
+    of more ops or rings."""
+    from lmscli.plan import recompute
+    from lmscli.plan.planner import _Context
+
+    prepared = api.prepare(api.load(str(samples / "resnet50.meta")))
+    ctx = _Context(prepared, api.make_device(gpu_mem=1 << 30, reserve=0.0), api.Filters())
+    short = ctx.recipes
+    ctx.long_recipes = True
+    every = ctx.recipes
+    assert set(short) <= set(every) and short != every
+    assert all(every[t][:len(short[t])] == short[t] for t in short)
+    longer = [r for t in every for r in every[t][len(short.get(t, ())):]]
+    assert longer and all(len(r.positions) > recompute.SHORT_OPS or r.ring >= recompute.SHORT_DEPTH for r in longer)
+    monkeypatch.setattr(recompute, "MAX_OPS", recompute.SHORT_OPS)
+    monkeypatch.setattr(recompute, "MAX_DEPTH", recompute.SHORT_DEPTH)
+    assert recompute.recipes(prepared.view, prepared.schedule, sorted(every), prepared.fused) == short
+
+
 @pytest.mark.parametrize("resource", [True, False], ids=["resource-variables", "reference-variables"])
 def test_a_recompute_only_plan_trains_bit_identically(tmp_path, resource):
     """Gradient checkpointing done automatically: with --strategy recompute the plan moves no

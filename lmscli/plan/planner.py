@@ -140,6 +140,8 @@ class _Context:
         self._build_lifting()
         self._memo: dict[tuple, int | None] = {}
         self._recipes = None
+        self._short = None
+        self.long_recipes = False  # plan with every recipe, not only the short ones (LONG_RECIPES)
         # On the CPU stand-in a swap-out leaves only when an op waits for it: its send is an
         # "expensive" CPU kernel, which the executor queues behind the chain of ops it runs inline,
         # so an unwaited swap-out of a forward activation runs after the forward pass. (A GPU's
@@ -156,7 +158,7 @@ class _Context:
         narrow = copy.copy(self)
         narrow.cands = {t: c for t, c in self.cands.items() if not c.beyond_tflms}
         narrow._index_candidates()
-        narrow._recipes = None
+        narrow._recipes = narrow._short = None
         return narrow
 
     def _index_candidates(self) -> None:
@@ -171,7 +173,7 @@ class _Context:
     def recipes(self):
         """Recompute recipes per candidate tensor (see :mod:`lmscli.plan.recompute`), built on first use."""
         if self._recipes is None:
-            from lmscli.plan.recompute import Buffers, recipes
+            from lmscli.plan.recompute import Buffers, recipes, short
 
             with timing.phase("recompute recipes"):
                 # (clones free no shared buffer; an inlined call's argument is its input's buffer)
@@ -185,8 +187,9 @@ class _Context:
 
                 alone = [t for t, c in self.cands.items() if not c.shares and not aliased(t)]
                 self._recipes = recipes(self.view, self.schedule, alone, self.prepared.fused)
+                self._short = short(self._recipes)
                 self.buffers = Buffers(self.schedule)
-        return self._recipes
+        return self._recipes if self.long_recipes else self._short
 
     def sync_mode(self, asked: int) -> int:
         """The TFLMS sync_mode to start searching from: on the stand-in, swap-outs are waited for
@@ -698,6 +701,9 @@ PREFER_RECOMPUTE = "prefer-recompute"
 # concatenations each made again from the one before reach half the DenseNet-style net's peak; a
 # transformer's plan at 21 MiB of 25 went just over it).
 CHAIN_RECOMPUTE = "chain-recompute"
+# Plan with the long recipes too (up to recompute.MAX_OPS ops and MAX_DEPTH rings), not only the
+# short ones: each helps where the other does not (a greedy choice), so both kinds of plan are made.
+LONG_RECIPES = "long-recipes"
 STEP_TOLERANCE = 0.0  # hybrid: plans this much slower than the shortest step still count as fast (then: fewest bytes)
 
 
@@ -1723,7 +1729,8 @@ def _best_plan(ctx: _Context, budget_act: int, baseline: SimResult, log: list[st
     ``swap``: the greedy swap plan, with TFLMS's search as a second candidate; of the plans that
     fit, the one that swaps the fewest bytes (then: the shortest step). ``recompute``: the greedy
     plans with recomputations only (without and with recomputations read by others:
-    :data:`CHAIN_RECOMPUTE`), the shorter step. ``hybrid``: the greedy plan choosing per tensor, with the
+    :data:`CHAIN_RECOMPUTE`, with the short recipes and with all: :data:`LONG_RECIPES`), the shorter
+    step. ``hybrid``: the greedy plan choosing per tensor (with the short recipes and with all), with the
     recompute-only plans, the greedy plan recomputing every tensor it can
     (:data:`PREFER_RECOMPUTE`), the swap plans, and the swap plans with some swaps made
     recomputations (:func:`_with_recomputations`) as further candidates; of those that fit, the shortest
@@ -1731,9 +1738,10 @@ def _best_plan(ctx: _Context, budget_act: int, baseline: SimResult, log: list[st
     hybrid is never slower than either pure plan and reaches every budget the swap plans reach."""
     strategy = strategy_name(options.strategy)
     chained = ("recompute", CHAIN_RECOMPUTE)
-    runs = {"swap": [("swap",)], "recompute": [("recompute",), chained],
+    runs = {"swap": [("swap",)], "recompute": [("recompute",), chained, chained + (LONG_RECIPES,)],
             "hybrid": [("swap", "recompute"), ("recompute",), chained, ("swap",),
-                       ("swap", "recompute", PREFER_RECOMPUTE)]}[strategy]
+                       ("swap", "recompute", PREFER_RECOMPUTE), ("swap", "recompute", LONG_RECIPES),
+                       chained + (LONG_RECIPES,)]}[strategy]
     if strategy == "hybrid" and not ctx.recipes:  # nothing can be made again: the swap plans alone
         runs = [("swap",)]
     found = []  # (label, swaps, result, parameters, log lines), in the order they were made
@@ -1741,14 +1749,20 @@ def _best_plan(ctx: _Context, budget_act: int, baseline: SimResult, log: list[st
     limited = False  # --time-limit passed before every candidate was tried
 
     def with_recomputations(label: str, swaps, result, params, lines) -> None:
-        converted = _with_recomputations(ctx, swaps, budget_act, result)
-        if converted is not None:
-            found.append(("converted", converted[0], converted[1], params,
-                          lines + [f"[LMS] {converted[1].num_recomputes} swap(s) of the {label} plan made "
-                                   "recomputations, where that shortens the step"]))
+        for long in (False, True):
+            ctx.long_recipes = long
+            try:
+                converted = _with_recomputations(ctx, swaps, budget_act, result)
+            finally:
+                ctx.long_recipes = False
+            if converted is not None:
+                found.append(("converted", converted[0], converted[1], params,
+                              lines + [f"[LMS] {converted[1].num_recomputes} swap(s) of the {label} plan made "
+                                       "recomputations, where that shortens the step"]))
 
     for k, modes in enumerate(runs):
         lines: list[str] = []
+        ctx.long_recipes = LONG_RECIPES in modes
         try:
             swaps, result = plan_lms(ctx, budget_act, baseline, lines, modes)
             found.append(("recompute" if modes[0] == "recompute" else "+".join(modes), swaps, result, {}, lines))
@@ -1761,6 +1775,7 @@ def _best_plan(ctx: _Context, budget_act: int, baseline: SimResult, log: list[st
         if found and k + 1 < len(runs) and timing.out_of_time():
             limited = True
             break
+    ctx.long_recipes = False
     if strategy == "recompute":
         pass
     elif found and len(ctx.schedule) > TFLMS_SEARCH_MAX_OPS:

@@ -49,11 +49,14 @@ RECOMPUTABLE_OPS = CHEAP_OPS | HEAVY_OPS
 # A transformer's feed-forward activation made again from the layer norm before it is nine ops
 # (the norm's last two, the matrix product, its bias add, the GELU's five), four rings out: with
 # 6 ops and 3 rings it was swapped instead (at 35% of the peak on PCIe 3, +141% step time against
-# +83%; 14 ops and 7 rings changed nothing).
+# +83%; 14 ops and 7 rings changed nothing). The longer recipes are not always better for a greedy
+# planner (a DenseNet-style net's recompute-only plan at 50%: +20.9% against +15.3% with the short
+# ones), so the planner makes its plans with the short recipes and with all (:func:`short`).
 MAX_OPS = 10  # ops in one recipe
 MAX_HEAVY = 2  # convolutions or matrix products in one recipe
 SMALL_SOURCE = 64 << 10  # sources this small are kept for the clones whenever they are made
 MAX_DEPTH = 5  # recipes per tensor: the producer, then up to four rings of producers around it
+SHORT_OPS, SHORT_DEPTH = 6, 3  # the short recipes: at most this many ops, within this many rings
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ class Recipe:
     extra: int  # bytes of intermediate results held while they run
     writers: tuple[int, ...] = ()  # positions of the ops updating a variable the chain reads (they wait for it)
     small: tuple[int, ...] = ()  # small sources, kept for the clones wherever they are
+    ring: int = 0  # rings of producers around the tensor's producer the chain reaches
 
 
 def recipes(view: GraphView, schedule: Schedule, cands, fused: frozenset = frozenset()) -> dict[int, tuple[Recipe, ...]]:
@@ -88,7 +92,7 @@ def recipes(view: GraphView, schedule: Schedule, cands, fused: frozenset = froze
             continue
         chain = {root}
         found: list[Recipe] = []
-        for _depth in range(MAX_DEPTH):
+        for depth in range(MAX_DEPTH):
             chain = _close(view, chain, allowed, fused)
             if chain is None or len(chain) > MAX_OPS or sum(view.ops[n] in HEAVY_OPS for n in chain) > MAX_HEAVY:
                 break
@@ -102,7 +106,7 @@ def recipes(view: GraphView, schedule: Schedule, cands, fused: frozenset = froze
                 break  # an op of the chain runs after the tensor's producer: not a chain ending in it
             cost, extra = recompute_cost(schedule, positions)
             if not found or found[-1].sources != sources:
-                found.append(Recipe(positions, sources, cost, extra, writers, small))
+                found.append(Recipe(positions, sources, cost, extra, writers, small, depth))
             grown = chain | {schedule.nodes[schedule.tensors[s].producer] for s in sources
                              if allowed(schedule.nodes[schedule.tensors[s].producer])}
             if grown == chain:
@@ -110,6 +114,17 @@ def recipes(view: GraphView, schedule: Schedule, cands, fused: frozenset = froze
             chain = grown
         if found:
             out[tid] = tuple(found)
+    return out
+
+
+def short(found: dict[int, tuple[Recipe, ...]]) -> dict[int, tuple[Recipe, ...]]:
+    """The short recipes of ``found`` (at most :data:`SHORT_OPS` ops, within :data:`SHORT_DEPTH`
+    rings): each tensor's list is shortest first, so they are its first ones."""
+    out = {}
+    for tid, listed in found.items():
+        kept = tuple(r for r in listed if len(r.positions) <= SHORT_OPS and r.ring < SHORT_DEPTH)
+        if kept:
+            out[tid] = kept
     return out
 
 
