@@ -16,9 +16,9 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 # Two workers, a test file each at a time (its module fixtures made once): most tests wait on one
-# core (a stand-in's server runs one thread), and the suite takes 9 to 13 minutes here alone (481
-# tests, stop 51: 19.0 on a clean clone beside a benchmark run on the same 2 cores, 19.7 with the
-# install).
+# core (a stand-in's server runs one thread), and the suite takes 9 to 15 minutes here (482 tests,
+# stop 51: 14.6 on the final clean clone beside a benchmark run on the same 2 cores, 15.4 with the
+# install and `make demo`).
 test: install
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
