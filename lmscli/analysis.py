@@ -16,7 +16,8 @@ from lmscli.plan.candidates import Filters, candidates
 from lmscli.errors import InputError
 from lmscli.graph.graphview import PLACEHOLDER_OPS, SHAPE_OPS, VARIABLE_OPS, GraphView, TensorInfo
 from lmscli.loader import Model
-from lmscli.model.schedule import STORAGE_OUTPUT, Schedule, build_schedules, loop_counts, variable_bytes
+from lmscli.model.schedule import (STORAGE_OUTPUT, Schedule, build_schedules, loop_counts, storage_bytes,
+                                   variable_bytes)
 from lmscli.model.simulator import SimResult, simulate
 from lmscli.timing import timed
 
@@ -485,26 +486,10 @@ def saved_trainable_bytes(model: Model) -> int | None:
     """Bytes of the trainable variables a TensorFlow 2 SavedModel's object graph lists (it has no
     ``trainable_variables`` collection; QA r51: an MLP-Mixer's learning parameters were shown
     as all its variables, Adam's slots included); None when it lists none."""
-    from tensorflow.python.framework import dtypes
-
-    nodes = model.meta_graph.object_graph_def.nodes
-    found, total = False, 0
-    for node in nodes:
-        if node.WhichOneof("kind") != "variable":
-            continue
-        found = True
-        var = node.variable
-        if not var.trainable or var.shape.unknown_rank or any(d.size < 0 for d in var.shape.dim):
-            continue
-        try:
-            itemsize = dtypes.as_dtype(var.dtype).base_dtype.size
-        except Exception:
-            continue
-        count = 1
-        for d in var.shape.dim:
-            count *= d.size
-        total += count * itemsize
-    return total if found else None
+    variables = [n.variable for n in model.meta_graph.object_graph_def.nodes if n.WhichOneof("kind") == "variable"]
+    if not variables:
+        return None
+    return sum(storage_bytes(v.shape, v.dtype) for v in variables if v.trainable)
 
 
 def trainable_names(model: Model) -> set[str] | None:

@@ -206,13 +206,18 @@ def variable_bytes(view: GraphView, i: int) -> int:
     node = view.node_defs[i]
     if "shape" not in node.attr or "dtype" not in node.attr:
         return 0
-    shape = node.attr["shape"].shape
+    return storage_bytes(node.attr["shape"].shape, node.attr["dtype"].type)
+
+
+def storage_bytes(shape, dtype: int) -> int:
+    """Bytes of a tensor of ``shape`` (a TensorShapeProto) and ``dtype`` (a DataType enum value);
+    0 when either is not known."""
     if shape.unknown_rank or any(d.size < 0 for d in shape.dim):
         return 0
     from tensorflow.python.framework import dtypes
 
     try:
-        itemsize = dtypes.as_dtype(node.attr["dtype"].type).base_dtype.size
+        itemsize = dtypes.as_dtype(dtype).base_dtype.size
     except Exception:
         return 0
     total = itemsize

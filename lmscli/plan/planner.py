@@ -1751,10 +1751,8 @@ def _best_plan(ctx: _Context, budget_act: int, baseline: SimResult, log: list[st
     def with_recomputations(label: str, swaps, result, params, lines) -> None:
         for long in (False, True):
             ctx.long_recipes = long
-            try:
-                converted = _with_recomputations(ctx, swaps, budget_act, result)
-            finally:
-                ctx.long_recipes = False
+            converted = _with_recomputations(ctx, swaps, budget_act, result)
+            ctx.long_recipes = False
             if converted is not None:
                 found.append(("converted", converted[0], converted[1], params,
                               lines + [f"[LMS] {converted[1].num_recomputes} swap(s) of the {label} plan made "
