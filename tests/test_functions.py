@@ -300,7 +300,8 @@ def test_a_tf2_step_with_a_cond_and_a_loop_is_rewritten_and_runs_back():
 
     concrete = step.get_concrete_function(tf.TensorSpec([1024, 128]), tf.TensorSpec([], tf.bool))
     fitted = tf2.rewrite(concrete, gpu_mem="90%", reserve=0.0)
-    assert fitted.plan.swaps and any("lowered" in note for note in fitted.model.notes)
+    # (swaps, or the loop's gradient stacks kept on the host)
+    assert (fitted.plan.swaps or fitted.plan.host_stacks) and any("lowered" in note for note in fitted.model.notes)
     feeds = [(rng.standard_normal((1024, 128)).astype(np.float32), tf.constant(p)) for p in (True, False, True)]
     runs = trained_alike((step, fitted), weights, feeds)
     assert runs[0] == runs[1]

@@ -574,3 +574,19 @@ def test_dropped_accumulators_train_under_a_limit_the_original_runs_out_of_memor
     proof = json.loads(checked.stdout)["limit"]
     assert checked.exit_code == 0 and proof["proven"], proof
     assert not proof["original"]["fits"] and proof["rewritten"]["fits"] and proof["identical"] is True
+
+
+def test_a_swap_its_trigger_alone_involves_is_a_culprit_only_without_others():
+    """The nodes Grappler treats differently come with the nodes their inputs come from, and a
+    swap-in's trigger among those is often a bystander (a transformer's attention probabilities
+    were left unswapped beside a GELU product's swap): the swaps whose rewired edges are involved
+    are the culprits; the one whose trigger alone is, only when no other is (the next round)."""
+    from lmscli.plan.document import PlannedSwap, PlannedSwapIn
+
+    edge = PlannedSwap("a:0", 8, (), (PlannedSwapIn(("c",), "t"),))
+    bystander = PlannedSwap("b:0", 8, (), (PlannedSwapIn(("d",), "c"),))
+    plan = replace(_bare(), swaps=(edge, bystander))
+    assert optguard.culprits(plan, frozenset({"c"})) == (("a:0",), ())
+    assert optguard.culprits(plan, frozenset({"c"}), set()) == (("a:0",), ())
+    alone = replace(_bare(), swaps=(bystander,))
+    assert optguard.culprits(alone, frozenset({"c"})) == (("b:0",), ())

@@ -892,3 +892,25 @@ def test_custom_gradient_outputs_are_candidates(silu_net):
     swish = [t.id for t in sched.tensors if view.ops[sched.nodes[t.producer]] == "IdentityN" and t.output == 0
              and t.num_bytes >= 1 << 20]
     assert len(swish) == 8 and all(tid in ctx.cands for tid in swish)
+
+
+def test_no_swap_in_waits_for_an_identity_grappler_removes(attention):
+    """A control edge from a node Grappler's dependency optimizer removes (tf.gradients'
+    ``tuple/control_dependency`` Identities) keeps that node, and a kept Identity stops the
+    constant push-down across it: a GELU gradient's product came out grouped otherwise, and the
+    guard forbade the tensors whose swap-ins waited for such Identities. The encoder found no
+    swap plan on PCIe 3 at half its peak (the guard left a GELU product unswapped); triggers
+    are now taken before those Identities, and the plan trains bit-identically."""
+    from lmscli.prove import steps
+
+    model = api.load(str(attention))
+    prepared = api.prepare(model)
+    device = api.make_device(gpu_mem=int(prepared.run_peak_bytes * 0.5), link="pcie3")
+    result = api.tune(prepared, device, TuneOptions(strategy="swap"))
+    view = prepared.view
+    triggers = {g.trigger for s in result.plan.swaps for g in s.swap_ins}
+    assert triggers and not {t for t in triggers if t in prepared.fused and view.ops[view.index[t]] == "Identity"}
+    assert not result.plan.grappler.get("left_alone")
+    rewritten, _ = api.rewrite(prepared, result.plan)
+    before = steps.run_steps(model.meta_graph, model.fetches, steps=2)
+    assert steps.first_difference(before, steps.run_steps(rewritten, model.fetches, steps=2)) is None

@@ -166,30 +166,41 @@ def culprits(plan, names: frozenset, waiters: set | None = None) -> tuple[tuple[
     triggers are among ``names``, the recomputed tensors whose cloned ops, rewired consumers or
     triggers are, and the serialized ops among them. Given a set ``waiters``, a swap that only
     its waiters involve is not a culprit: those ops go into ``waiters`` (a control input into
-    them changed Grappler's optimizations; another op can wait for the swap-out)."""
-    tensors = []
+    them changed Grappler's optimizations; another op can wait for the swap-out).
+
+    A tensor whose trigger alone is among ``names`` is a culprit only when no tensor's edges are:
+    the nodes Grappler treats differently come with the nodes their inputs come from, and a
+    trigger among those is often a bystander (a transformer's attention probabilities were left
+    unswapped for a GELU gradient's swap whose product read the same matrix product). If it was
+    not, the next round names it again, alone."""
+    edges, by_trigger = [], []
     for swap in plan.swaps:
-        others = {parse_input(swap.tensor)[0], *(swap.near if swap.sync_out else ())}
+        rewired = {parse_input(swap.tensor)[0], *(swap.near if swap.sync_out else ())}
+        triggers = set()
         for group in swap.swap_ins:
-            others.update(group.consumers)
-            others.add(group.trigger)
+            rewired.update(group.consumers)
+            triggers.add(group.trigger)
+        others = rewired | triggers
         hit = (others | set(swap.waiters)) & names
         if waiters is not None and hit and not hit & others:
             waiters.update(hit)
+        elif hit & rewired or (hit and waiters is None and not hit & triggers):
+            edges.append(swap.tensor)
         elif hit:
-            tensors.append(swap.tensor)
+            by_trigger.append(swap.tensor)
     for rec in plan.recomputes:
-        touched = set(rec.ops)
+        rewired = set(rec.ops)
         for group in rec.groups:
-            touched.update(group.consumers)
-            touched.add(group.trigger)
-        if touched & names:
-            tensors.append(rec.tensor)
+            rewired.update(group.consumers)
+        if rewired & names:
+            edges.append(rec.tensor)
+        elif {group.trigger for group in rec.groups} & names:
+            by_trigger.append(rec.tensor)
     for stack in plan.host_stacks:  # (named by the StackV2)
         if {stack.stack, *stack.ops} & names:
-            tensors.append(stack.stack)
+            edges.append(stack.stack)
     ops = sorted({op for chain in plan.serialize for op in chain if op in names})
-    return tuple(sorted(tensors)), tuple(ops)
+    return tuple(sorted(edges or by_trigger)), tuple(ops)
 
 
 def without(plan, tensors, ops):

@@ -43,6 +43,9 @@ from lmscli.model.simulator import SimResult, SimSwap, SwapIn, simulate, transfe
 from lmscli.timing import timed
 from lmscli.units import format_size
 
+# Ops Grappler's dependency optimizer removes when nothing but data flows through them.
+FORWARDING_IDENTITIES = frozenset({"Identity", "Snapshot", "StopGradient", "PreventGradient", "IdentityN"})
+
 
 @dataclass(frozen=True)
 class TflmsParams:
@@ -120,13 +123,19 @@ class _Context:
         self.preds: list[list[int]] = []
         for node in sched.nodes:
             self.preds.append(sorted({pos_of[s] for s in self.view.predecessors(node) if s in pos_of}))
-        self.can_trigger = [edge_safe(self.view, sched, k) for k in range(len(sched))]
+        fused = frozenset(prepared.fused or ())
+        # No control edge from or into an Identity Grappler's optimizations remove: it keeps the
+        # Identity then, and that stops the rewrites across it (a gradient's
+        # tuple/control_dependency triggering a swap-in kept a GELU gradient's product from being
+        # regrouped, and the guard forbade the tensors around it). (Other removed nodes, fused
+        # into a kernel, may: the guard checks each plan.)
+        kept = [not (name in fused and op in FORWARDING_IDENTITIES) for name, op in zip(sched.names, sched.ops)]
+        self.can_trigger = [edge_safe(self.view, sched, k) and kept[k] for k in range(len(sched))]
         # Ops in v1 cond branches may trigger (or wait) too, for work in the same branches.
         tags = self.view.branch_tags()
         self.tags: list[frozenset] = [tags[node] for node in sched.nodes]
-        self.can_edge = [ok or (bool(self.tags[k]) and trigger_safe(self.view, sched, k))
+        self.can_edge = [ok or (bool(self.tags[k]) and trigger_safe(self.view, sched, k) and kept[k])
                          for k, ok in enumerate(self.can_trigger)]
-        fused = frozenset(prepared.fused or ())
         roots = remapped(self.view, prepared.optimized)
         # (a fused kernel's root takes no control input: it would stop the fusion)
         self.fusion_root = [name in roots for name in sched.names]
