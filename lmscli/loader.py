@@ -320,14 +320,40 @@ def _choose_fetches(model: Model, fetch: list[str] | None) -> None:
         model.fetches, model.fetch_source = wanted, f"signature {key}"
         return
     view = model.structure
-    skip = {"NoOp", "Assert", "SaveV2", "RestoreV2", "Const", "Placeholder"}
-    sinks = [view.names[i] for i in view.sinks() if view.ops[i] not in skip]
-    sinks = sorted(sinks) or sorted(view.names[i] for i in view.sinks())
+    sinks = sorted(view.names[i] for i in _step_sinks(view))
     model.fetches, model.fetch_source = tuple(sinks), "sinks"
     model.notes.append(
         f"no train_op collection and no --fetch: fetching the graph's {len(sinks)} sink(s)"
         + (f" ({', '.join(sinks[:3])}{', ...' if len(sinks) > 3 else ''})" if sinks else "")
     )
+
+
+# Ops whose values come from outside the step: a training step depends on one of them.
+STEP_INPUT_OPS = frozenset({"Placeholder", "IteratorGetNext", "IteratorGetNextSync", "QueueDequeueV2",
+                            "QueueDequeueManyV2", "QueueDequeueUpToV2"})
+
+
+def _step_sinks(view) -> list[int]:
+    """The sinks a training step runs, in a graph that does not say (no train_op collection, no
+    signature): those that depend on the step's inputs (placeholders, an iterator's or a queue's
+    next element), NoOps included (a ``train_op`` made by ``minimize`` is a NoOp grouping the
+    updates); not the variables' initializers and reads, a saver's ops or ``init``, which depend
+    on constants only (QA: a training GraphDef's default step ran the initializers and no
+    update). Without such inputs, the sinks but NoOps, asserts, saves and constants."""
+    inputs = [i for i in range(view.size) if view.ops[i] in STEP_INPUT_OPS]
+    reached = set(inputs)
+    stack = list(inputs)
+    while stack:
+        for j in view.successors(stack.pop()):
+            if j not in reached:
+                reached.add(j)
+                stack.append(j)
+    skip = {"Assert", "SaveV2", "RestoreV2", "Const", "Placeholder"}
+    found = [i for i in view.sinks() if i in reached and view.ops[i] not in skip]
+    if found:
+        return found
+    skip |= {"NoOp"}
+    return [i for i in view.sinks() if view.ops[i] not in skip] or view.sinks()
 
 
 def _signature_fetches(meta, names: set[str], calls: dict) -> tuple[str, tuple[str, ...]] | None:

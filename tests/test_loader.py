@@ -61,6 +61,34 @@ def test_fetch_sources(samples):
         loader.load(str(samples / "mlp.meta"), fetch=["nope"])
 
 
+def test_a_training_graph_def_without_collections_runs_its_training_step(tmp_path):
+    """A training graph's GraphDef (``tf.io.write_graph``) has no train_op collection: its step is
+    the sinks that depend on its inputs, the ``minimize`` NoOp among them, and not the variables'
+    initializers (QA: the default step ran the initializers and no update, and its peak was the
+    forward pass's)."""
+    import tensorflow as tf
+
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [64, 32], name="x")
+        w1 = v1.get_variable("w1", [32, 64], use_resource=True)
+        w2 = v1.get_variable("w2", [64, 1], use_resource=True)
+        loss = tf.reduce_mean(tf.square(tf.nn.relu(x @ w1) @ w2), name="loss")
+        v1.train.AdagradOptimizer(0.1).minimize(loss, name="train_op")
+        v1.global_variables_initializer()
+    tf.io.write_graph(graph.as_graph_def(), str(tmp_path), "train.pb", as_text=False)
+    model = loader.load(str(tmp_path / "train.pb"))
+    assert model.fetch_source == "sinks" and "train_op" in model.fetches and "loss" in model.fetches
+    assert not [f for f in model.fetches if f.endswith(("Assign", "IsInitialized/VarIsInitializedOp", "init"))]
+    from lmscli import api
+
+    prepared = api.prepare(model)
+    assert [op for op in prepared.schedule.ops if op.startswith("ResourceApply")]  # the updates run
+    chosen = api.analyze(api.prepare(loader.load(str(tmp_path / "train.pb"), fetch=["train_op"]))).peak_bytes
+    assert chosen <= api.analyze(prepared).peak_bytes <= chosen * 1.01  # (and x's gradient, a sink)
+
+
 def test_savedmodel_tags(samples):
     assert loader.load(str(samples / "mlp_savedmodel"), tag="train").saved_model_tag == "train"
     with pytest.raises(InputError, match="no MetaGraphDef with tag"):
