@@ -15,7 +15,7 @@ import click
 
 from lmscli import __version__
 from lmscli.cliopts import console as _console
-from lmscli.cliopts import JSON_ASKED, emit_json, error_document, feed_option, gpu_mem_text, profile_options, size_text
+from lmscli.cliopts import JSON_ASKED, emit_json, error_document, feed_option, gpu_mem_text, link_text, profile_options, size_text
 from lmscli.device import NO_BUDGET, STAND_IN_LINK
 from lmscli.device import PRESETS as _PRESETS
 from lmscli.errors import EXIT_ERROR, EXIT_NO_FIT, LmsError
@@ -169,7 +169,8 @@ def device_options(func):
                   help="Share of GPU memory held back for workspaces and fragmentation (default 0.10).")
     @click.option("--host-mem", metavar="SIZE", callback=size_text,
                   help="Pinned host memory for swapped tensors (default 64GiB).")
-    @click.option("--link", metavar="LINK", help="CPU-GPU link: nvlink2, pcie3, pcie4, pcie5, nvlink-c2c or e.g. 25GB/s.")
+    @click.option("--link", metavar="LINK", callback=link_text,
+                  help="CPU-GPU link: nvlink2, pcie3, pcie4, pcie5, nvlink-c2c or e.g. 25GB/s.")
     @wraps(func)
     def wrapper(*args, **kwargs):
         return func(*args, **kwargs)
@@ -248,6 +249,18 @@ def _tune_options(strategy, swapout_threshold, swapin_ahead, swapin_groupby, syn
                             sync_mode or 0)
     return TuneOptions(strategy=strategy, filters=filters, tflms=tflms, sync_mode=sync_mode or 0,
                        serial_loops=not keep_loop_parallelism, reorder=False if keep_order else None)
+
+
+def _directories_exist(*paths) -> None:
+    """Refuse, before any work, to write a file into a directory that does not exist (QA r52: a
+    rewrite tuned for 17 s, then said so)."""
+    from lmscli.errors import InputError
+
+    for path in paths:
+        if path:
+            directory = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(directory):
+                raise InputError(f"{path}: the directory {directory} does not exist")
 
 
 def _judge_runs_need_the_stand_in(judge_runs, stand_in) -> None:
@@ -410,6 +423,7 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
     from lmscli.report import terminal as report
 
     _judge_runs_need_the_stand_in(judge_runs, stand_in)
+    _directories_exist(plan_out, plot, report_file)
     progress = _progress(quiet, as_json, no_color)
     with progress.phase(f"loading {model}"):
         loaded = _load(model, fmt, fetch, tag)
@@ -497,6 +511,7 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
     if os.path.abspath(model) == os.path.abspath(output):
         raise InputError(f"{output}: refusing to overwrite the input; write to another file")
     _judge_runs_need_the_stand_in(judge_runs, stand_in)
+    _directories_exist(None if dry_run else output, plan_out, plot, report_file)
     progress = _progress(quiet, as_json, no_color)
     plan = None
     if plan_file:

@@ -27,7 +27,19 @@ def gpu_mem_text(ctx, param, value):
     """``--gpu-mem``: a ``SIZE``, or ``N%`` of the graph's no-swap peak."""
     from lmscli.device import gpu_mem_from_text
 
-    return _checked(value, lambda text: gpu_mem_from_text(text, 1))
+    def parse(text):
+        share = gpu_mem_from_text(text, 1 << 40)  # (a percentage is checked by its range)
+        if share <= 0:
+            raise InputError(f"--gpu-mem must be at least 1 byte: {text!r}")
+
+    return _checked(value, parse)
+
+
+def link_text(ctx, param, value):
+    """``--link``: a link's name (``pcie3``) or its bandwidth (``25GB/s``)."""
+    from lmscli.device import resolve_link
+
+    return _checked(value, resolve_link)
 
 
 def _checked(value, parse):

@@ -132,6 +132,12 @@ def test_a_judged_no_plan_far_over_the_budget_says_how_far():
         search.judged(SimpleNamespace(result=SimpleNamespace(peak_bytes=90_000)), closest)
         text = str(search.missed(NoFitError(str(stuck).replace("recompute", kind, 1))))
         assert (expected in text + "; ") and text.count("try ") == 1, text
+    # Planning for less answered with the lower bound ("can fit"), not "found under": the kind is
+    # still its head (QA r52: the answer said the whole explanation twice).
+    bound = NoFitError("no swap or recompute plan can fit under 13.19 MiB on a GPU, by lms's model of its executor: "
+                       "when x runs the step holds 14.03 MiB > 13.19 MiB")
+    text = str(search.missed(bound))
+    assert text.startswith("no swap or recompute plan found under") and text.count("holds 14.03 MiB") == 1, text
 
 
 def test_the_run_search_halves_between_a_margin_over_the_budget_and_one_that_fits():

@@ -159,7 +159,10 @@ def test_bad_input_with_json_is_an_error_document(command, tmp_path, samples, ru
 
 
 @pytest.mark.parametrize("args", [("rewrite", "MODEL", "OUT", "--gpu-mem", "12XB"), ("tune", "MODEL", "--nosuch"),
-                                  ("verify", "MODEL"), ("nosuch",)])
+                                  ("verify", "MODEL"), ("nosuch",),
+                                  # (QA r52: exit 1 after loading the graph)
+                                  ("tune", "MODEL", "--gpu-mem", "0.5"), ("tune", "MODEL", "--gpu-mem", "0"),
+                                  ("rewrite", "MODEL", "OUT", "--gpu-mem", "9MiB", "--link", "0GB/s")])
 def test_a_usage_error_with_json_is_an_error_document_too(args, tmp_path, samples, runner):
     """Exit 2 with --json prints an lms.error document (QA r50: a bad --gpu-mem gave an empty
     stdout); the usage and the error stay on stderr, as click prints them."""
@@ -175,6 +178,21 @@ def test_a_usage_error_with_json_is_an_error_document_too(args, tmp_path, sample
     assert doc["error"]["message"] and doc["error"]["message"] in result.stderr and "Usage:" in result.stderr
     assert not out.exists()
     assert invoke(runner, *args).stdout == ""  # (without --json, nothing on stdout)
+
+
+def test_a_small_percentage_of_gpu_memory_is_no_usage_error(samples, runner):
+    assert invoke(runner, "tune", samples / "mlp.meta", "--gpu-mem", "0.5%", "-q").exit_code in (0, 3)
+
+
+def test_an_output_into_a_missing_directory_is_refused_before_any_work(tmp_path, samples, runner):
+    """QA r52: `lms rewrite ... /nonexistent/dir/out.meta` tuned for 17 s, then said the directory
+    does not exist; now it says so first (the graph is not even loaded: a missing model too)."""
+    missing = tmp_path / "nodir" / "out.meta"
+    for args in (("rewrite", tmp_path / "no.meta", missing, "--gpu-mem", "1MiB"),
+                 ("tune", tmp_path / "no.meta", "--gpu-mem", "1MiB", "--plan-out", missing)):
+        result = invoke(runner, *args)
+        assert result.exit_code == 1 and "nodir" in result.stderr and "does not exist" in result.stderr
+        assert "no.meta" not in result.stderr, result.stderr
 
 
 def test_debug_shows_traceback(tmp_path, runner):

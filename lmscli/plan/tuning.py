@@ -11,6 +11,8 @@ batch size a plan fits with.
 
 from __future__ import annotations
 
+import re
+
 import time
 from dataclasses import replace
 
@@ -697,7 +699,10 @@ class _RunSearch:
         planning target tried, below the budget, and said the graph TensorFlow runs needs more
         than the graph as written, where it needs less)."""
         text = str(planning).rsplit("; try ", 1)[0]
-        kind = text.split(" found under ", 1)[0] if text.startswith("no ") else "no plan"
+        # ("no swap plan found under ...", or "no swap plan can fit under ..." below the bound: QA
+        # r52, the whole second sentence was taken for the kind and the answer said it twice)
+        head = re.match(r"no .*?plan\b", text)
+        kind = head.group(0) if head else "no plan"
         stuck = text.split(": at ", 1)[1].replace(" the ", ": the ", 1) if ": at " in text else None
         why = (f"planning the graph as written for less stopped at {stuck}" if stuck else
                f"planning for less found nothing ({text})")
