@@ -556,7 +556,7 @@ def _gap_recompute(ctx: _Context, cand: Candidate, p: int, result: SimResult, ch
         if advances:
             continue  # (a source made earlier and another kept beyond its last use: not combined)
         if held_choice is None and hold:
-            holds = _holds(ctx, dropped, t.id, trig)
+            holds = _holds(ctx, dropped, t.id, trig, chosen)
             if holds is not None and sum(h[2] for h in holds) <= HOLD_SHARE * t.num_bytes:
                 held_choice = _Choice(swap, lo, trig, t.num_bytes, 0, recipe, recipe.cost, holds=holds)
     return held_choice
@@ -663,18 +663,30 @@ def _rebased(ctx: _Context, chosen: dict, tid: int, p: int, result: SimResult, h
     return choice
 
 
-def _holds(ctx: _Context, sources, made: int, trig: int):
+def _holds(ctx: _Context, sources, made: int, trig: int, chosen: dict | None = None):
     """``(first, last, bytes)`` per buffer of ``sources`` kept from after its last use until the
     clones run when ``trig`` ends (the simulator holds it so: ``_read_by_clones``); None when one
-    shares the buffer of the tensor ``made`` again (keeping it would free nothing)."""
+    shares the buffer of the tensor ``made`` again (keeping it would free nothing). A buffer that
+    the ``chosen`` recomputations keep already is kept only beyond their clones: a dense block's
+    concatenation, kept for the clones of one layer's batch norm, ReLU and convolution, costs
+    nothing more to keep for those of the next, and each recomputation counting all of it made
+    most of them cost more than half what they free (QA r52: DenseNet-BC, no recompute-only
+    plan at 80% of its peak)."""
+    kept: dict[int, int] = {}
+    for c in (chosen or {}).values():
+        if c.recipe is not None and c.holds:
+            for x in c.recipe.sources:
+                r = ctx.buffers.root[x]
+                kept[r] = max(kept.get(r, -1), c.hi)
     spans = {}
     for s in sources:
         group = ctx.buffers.group(s)
         if not group or made in group:
             return None
         root = ctx.buffers.root[s]
-        last = max(ctx.buffers.last[m] for m in group)
-        spans[root] = (last + 1, trig, ctx.schedule.tensors[root].num_bytes)
+        first = max(max(ctx.buffers.last[m] for m in group), kept.get(root, -1)) + 1
+        if first <= trig:
+            spans[root] = (first, trig, ctx.schedule.tensors[root].num_bytes)
     return tuple(spans[r] for r in sorted(spans))
 
 

@@ -96,7 +96,7 @@ def recipes(view: GraphView, schedule: Schedule, cands, fused: frozenset = froze
             chain = _close(view, chain, allowed, fused)
             if chain is None or len(chain) > MAX_OPS or sum(view.ops[n] in HEAVY_OPS for n in chain) > MAX_HEAVY:
                 break
-            found_sources = _sources(view, schedule, chain, pos_of, tensor_of)
+            found_sources = _sources(view, schedule, chain, pos_of, tensor_of, first_output=t.output == 0)
             if found_sources is None:
                 break
             sources, variables, small = found_sources
@@ -148,7 +148,23 @@ def _close(view: GraphView, chain: set, allowed, fused: frozenset):
     return chain
 
 
-def _sources(view: GraphView, schedule: Schedule, chain: set, pos_of: dict, tensor_of: dict):
+BATCH_NORMS = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"})
+
+
+def _running_statistics(view: GraphView, node: int, port: int) -> bool:
+    """Is input ``port`` of ``node`` the running mean or variance of a batch norm in training
+    mode? Its normalized output (0) is made from the batch's own statistics: the running ones only
+    go into its outputs 1 and 2 (the updated averages), so an update of the moving averages,
+    which runs in the forward pass, need not wait for clones of it (QA r52: no batch norm of a
+    DenseNet-BC from ``tf.compat.v1.layers`` was made again, and recompute-only found no plan at
+    80% of its peak)."""
+    if port not in (3, 4) or view.ops[node] not in BATCH_NORMS:
+        return False
+    attr = view.node_defs[node].attr.get("is_training")
+    return attr is None or bool(attr.b)  # (true by default)
+
+
+def _sources(view: GraphView, schedule: Schedule, chain: set, pos_of: dict, tensor_of: dict, first_output: bool = True):
     """``(tensor ids, variable nodes, small tensor ids)`` the chain reads from outside: the tensors
     that must be on the GPU when it runs again, the variables whose value it reads, and tensors of
     at most :data:`SMALL_SOURCE` bytes (scalars, per-channel vectors: the clones keep them, at no
@@ -157,7 +173,7 @@ def _sources(view: GraphView, schedule: Schedule, chain: set, pos_of: dict, tens
     output, a tensor the schedule does not count)."""
     out, variables, small = set(), set(), set()
     for node in chain:
-        for src, output in view.data_inputs[node]:
+        for port, (src, output) in enumerate(view.data_inputs[node]):
             if src in chain:
                 continue
             op = view.ops[src]
@@ -165,7 +181,8 @@ def _sources(view: GraphView, schedule: Schedule, chain: set, pos_of: dict, tens
                 continue
             variable = variable_of(view, src)
             if variable is not None:
-                variables.add(variable)
+                if not (first_output and _running_statistics(view, node, port) and _only_output_0(view, node, chain)):
+                    variables.add(variable)
                 continue
             if op in CONTROL_FLOW_OPS or op in VARIABLE_OPS:
                 return None
@@ -178,6 +195,11 @@ def _sources(view: GraphView, schedule: Schedule, chain: set, pos_of: dict, tens
             else:
                 out.add(tid)
     return tuple(sorted(out)), tuple(sorted(variables)), tuple(sorted(small))
+
+
+def _only_output_0(view: GraphView, node: int, chain: set) -> bool:
+    """Do the ops of ``chain`` read only output 0 of ``node``?"""
+    return all(out == 0 for dst, _port, out in view.consumers[node] if dst in chain)
 
 
 def variable_of(view: GraphView, node: int) -> int | None:
