@@ -18,8 +18,10 @@ from lmscli.model.simulator import SimSwap, SwapIn, simulate
 from tests.conftest import invoke
 
 
-def _bn_cnn(path, resource: bool = True, dropout: bool = True, batch: int = 16):
-    """conv -> batch norm -> relu blocks with a residual add, max pooling and (optionally) dropout."""
+def _bn_cnn(path, resource: bool = True, dropout: bool = True, batch: int = 16, running: bool = False):
+    """conv -> batch norm -> relu blocks with a residual add, max pooling and (optionally) dropout;
+    with ``running``, the batch norms take their moving averages in and put them out, updated,
+    as Keras's do (``exponential_avg_factor``), and the updates run with the forward pass."""
     from lmscli.tfimport import tensorflow
 
     tf = tensorflow()
@@ -38,8 +40,18 @@ def _bn_cnn(path, resource: bool = True, dropout: bool = True, batch: int = 16):
             gamma = var(f"{name}/gamma", [cout], v1.ones_initializer())
             beta = var(f"{name}/beta", [cout], v1.zeros_initializer())
             h = tf.nn.conv2d(h, w, 1, "SAME", name=f"{name}/conv")
-            h, _, _ = v1.nn.fused_batch_norm(h, gamma, beta, is_training=True, name=f"{name}/bn")
+            if not running:
+                h, _, _ = v1.nn.fused_batch_norm(h, gamma, beta, is_training=True, name=f"{name}/bn")
+                return tf.nn.relu(h, name=f"{name}/relu")
+            mean = var(f"{name}/moving_mean", [cout], v1.zeros_initializer())
+            variance = var(f"{name}/moving_variance", [cout], v1.ones_initializer())
+            h, new_mean, new_variance = v1.nn.fused_batch_norm(
+                h, gamma, beta, mean=mean.read_value(), variance=variance.read_value(), is_training=True,
+                exponential_avg_factor=0.1, name=f"{name}/bn")
+            updates.extend((mean.assign(new_mean, read_value=False), variance.assign(new_variance, read_value=False)))
             return tf.nn.relu(h, name=f"{name}/relu")
+
+        updates: list = []
 
         h = block(x, "b1", 3, 16)
         h = block(h, "b2", 16, 16) + h
@@ -52,7 +64,8 @@ def _bn_cnn(path, resource: bool = True, dropout: bool = True, batch: int = 16):
         head = var("head", [16 * 16 * 32, 10], v1.truncated_normal_initializer(0, 0.01, seed=3))
         logits = tf.matmul(h, head)
         loss = tf.identity(tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(labels=y, logits=logits)), name="loss")
-        v1.add_to_collection("train_op", v1.train.MomentumOptimizer(0.05, 0.9).minimize(loss))
+        with tf.control_dependencies(updates):
+            v1.add_to_collection("train_op", v1.train.MomentumOptimizer(0.05, 0.9).minimize(loss))
         v1.train.export_meta_graph(str(path), graph=graph)
     return path
 
@@ -387,6 +400,30 @@ def test_a_broken_recomputation_is_refused(cnn):
 
 
 @pytest.mark.slow
+def test_batch_norms_with_moving_averages_are_made_again(tmp_path):
+    """A training batch norm's output 0 is made from the batch's own statistics; the moving
+    averages it takes in only go into its outputs 1 and 2. Their updates run with the forward
+    pass, and each was counted as a writer of a variable the clones read, which must wait for the
+    clones: no batch norm of a tf.compat.v1.layers (Keras-style) net was ever made again (QA r52:
+    a DenseNet-BC had no recompute-only plan at 80% of its peak). The plan trains bit-identically,
+    the moving averages included."""
+    from lmscli.plan.recompute import recipes
+
+    model = api.load(str(_bn_cnn(tmp_path / "cnn.meta", dropout=False, running=True)))
+    prepared = api.prepare(model)
+    sched, view = prepared.schedule, prepared.view
+    relu = next(t.id for t in sched.tensors if sched.names[t.producer] == "b1/relu")
+    found = recipes(view, sched, [relu], prepared.fused)[relu]
+    assert found and "b1/bn" in [sched.names[k] for k in found[0].positions]
+    assert not [w for r in found for w in r.writers if "Assign" in sched.ops[w]]
+    device = api.make_device(gpu_mem=_between(prepared, 0.7), reserve=0.0, link="pcie3")
+    plan = api.tune(prepared, device, TuneOptions(strategy="recompute")).plan
+    cloned = {op for r in plan.recomputes for op in r.ops}
+    assert any(op.endswith("/bn") for op in cloned), cloned
+    new_graph, _ = api.rewrite(prepared, plan)
+    _identical(model, new_graph)
+
+
 def test_a_recompute_only_plan_is_proven_under_a_hard_limit(tmp_path, runner):
     """Real memory: planned for the stand-in GPU with recomputation only, the rewrite trains under
     a hard limit at which the original runs out of memory, bit-identically. The limit is near the
