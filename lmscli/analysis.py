@@ -176,6 +176,10 @@ def prepare(model: Model, batch_size: int | None = None, cost_model: str = "grap
     changed: list[str] = []
     if batch_size is not None:
         graph_def, changed = shapes.set_batch_size(graph_def, batch_size)
+        unused = (f"--batch-size {batch_size} changes nothing: no placeholder of the graph has an unknown batch "
+                  "dimension, and the figures are for the batch it was built with")
+        if not changed and unused not in model.notes:  # (QA r52: "batch size 3" beside figures of batch 8)
+            model.notes.append(unused)
     from lmscli import grappler
 
     meta = with_graph_def(model.meta_graph, graph_def) if changed else model.meta_graph
@@ -840,7 +844,7 @@ def analyze(prepared: Prepared, baseline: SimResult | None = None, filters: Filt
         fetch_source=model.fetch_source,
         notes=tuple(model.notes) + _call_notes(view, active) + _dead_notes(prepared) + _branch_notes(prepared)
               + _loop_notes(view, active),
-        batch_size=prepared.batch_size,
+        batch_size=prepared.batch_size if prepared.batched_placeholders else None,  # (a --batch-size that changed nothing: none)
         vertices=view.size,
         active_vertices=len(active),
         data_edges=view.num_data_edges,

@@ -248,3 +248,14 @@ def test_atomic_write_and_serialize_round_trip(samples, tmp_path):
         assert again.format == fmt
         assert len(again.graph_def.node) == len(model.graph_def.node)
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".lms-")]
+
+
+def test_a_batch_size_that_changes_nothing_says_so(samples, runner):
+    """QA r52: `lms analyze vit.meta --batch-size 3` showed "batch size 3" beside the figures of
+    the graph's fixed batch of 8."""
+    import json
+
+    doc = json.loads(invoke(runner, "analyze", samples / "mlp.meta", "--batch-size", "3", "--json").stdout)
+    assert doc["batch_size"] is None and any("--batch-size 3 changes nothing" in n for n in doc["notes"])
+    doc = json.loads(invoke(runner, "analyze", samples / "unknown_batch.meta", "--batch-size", "3", "--json").stdout)
+    assert doc["batch_size"] == 3 and not any("changes nothing" in n for n in doc["notes"])
