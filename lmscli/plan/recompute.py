@@ -11,7 +11,8 @@ before ``t``'s far consumers makes ``t`` again, bit for bit, when:
   while loop or cond branch);
 * every source still holds the value the original chain read: a constant, a variable that no op
   has updated yet when the clones run (the ops that update it are made to wait for the clones,
-  which is possible only when they run after the trigger; checked per plan), or an activation
+  which is possible only when they run after the trigger; checked per plan; a training batch
+  norm's running mean and variance are no such read: its output 0 is made without them), or an activation
   whose buffer is still on the GPU when the clones run (checked per plan: not swapped, not made
   again itself, and read by an op after the clones, or kept for the clones beyond its last use
   where that holds at most half the bytes the recomputation frees: a transformer's attention

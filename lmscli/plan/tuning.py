@@ -12,7 +12,6 @@ batch size a plan fits with.
 from __future__ import annotations
 
 import re
-
 import time
 from dataclasses import replace
 
