@@ -121,6 +121,27 @@ def test_unknown_batch_is_reported_then_resolved(samples):
     assert bigger.activation_peak_bytes > after.activation_peak_bytes
 
 
+
+def test_the_unknown_size_warning_and_the_analysis_count_the_same_tensors(tmp_path):
+    """QA r52: the warning said 2 tensors of unknown size and the table 12 (the table counted a
+    shape's reads and the gradients' broadcast arguments, which the warning leaves out)."""
+    tf = tensorflow()
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 8], name="x")
+        ids = v1.placeholder(tf.int32, [None], name="ids")
+        w = v1.get_variable("w", [8], use_resource=True)
+        table = v1.get_variable("table", [100, 8], use_resource=True)
+        h = x * tf.gather(table, ids) + w  # (broadcasts: BroadcastGradientArgs; a sparse gradient: Unique)
+        loss = tf.reduce_mean(tf.square(h), name="loss")
+        v1.add_to_collection("train_op", v1.train.AdagradOptimizer(0.1).minimize(loss))
+        v1.train.export_meta_graph(str(tmp_path / "broadcast.meta"), graph=graph)
+    prepared = analysis.prepare(loader.load(str(tmp_path / "broadcast.meta")), batch_size=4)
+    warning = analysis.unknown_size_warning(prepared)
+    assert warning and int(warning.split()[0]) == analysis.analyze(prepared).unknown_tensors
+
+
 def test_batch_size_changes_nothing_when_every_batch_dimension_is_known(samples):
     """``--batch-size`` equal to a static graph's batch changes nothing: the ``_output_shapes``
     TensorFlow cannot infer again (inside lowered functional loops) are kept (QA: a GRU's figures
