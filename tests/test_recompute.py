@@ -640,3 +640,36 @@ def test_a_chosen_recomputation_is_made_earlier_for_a_tensor_made_again_from_it(
     monkeypatch.setattr(recompute, "MAX_DEPTH", 3)
     with pytest.raises(NoFitError):
         api.tune(prepared, device, TuneOptions(strategy="recompute"), check=False)
+
+
+def test_einsum_outputs_are_made_again(tmp_path):
+    """Attention written with tf.einsum (a ViT's projections and scores) had no recipe: Einsum was
+    not among the ops that may be cloned, and recompute-only found no plan at 60% of a ViT's peak
+    (QA r52). Its kernel computes the same bits for the same shapes, as MatMul's does."""
+    from lmscli.tfimport import tensorflow
+
+    tf = tensorflow()
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(0)
+        x = v1.placeholder(tf.float32, [8, 64, 64], name="tokens")
+        h = x
+        for i in range(2):
+            wq, wk, wv = (v1.get_variable(f"l{i}/w{n}", [64, 64], use_resource=True,
+                                          initializer=v1.glorot_uniform_initializer(seed=i * 3 + k))
+                          for k, n in enumerate("qkv"))
+            q, k, v = (tf.einsum("bsd,de->bse", h, w) for w in (wq, wk, wv))
+            probs = tf.nn.softmax(tf.einsum("bqd,bkd->bqk", q, k) * 0.125)
+            h = h + tf.nn.relu(tf.einsum("bqk,bkd->bqd", probs, v))
+        loss = tf.identity(tf.reduce_mean(tf.square(h)), name="loss")
+        v1.add_to_collection("train_op", v1.train.GradientDescentOptimizer(0.1).minimize(loss))
+        v1.train.export_meta_graph(str(tmp_path / "einsum.meta"), graph=graph)
+    model = api.load(str(tmp_path / "einsum.meta"))
+    prepared = api.prepare(model)
+    device = api.make_device(gpu_mem=_between(prepared, 0.5), reserve=0.0, link="pcie3")
+    plan = api.tune(prepared, device, TuneOptions(strategy="recompute")).plan
+    view = prepared.view
+    assert any(view.ops[view.index[op]] == "Einsum" for r in plan.recomputes for op in r.ops), plan.recomputes
+    new_graph, _ = api.rewrite(prepared, plan)
+    _identical(model, new_graph)

@@ -45,6 +45,7 @@ CHEAP_OPS = (IN_PLACE_OPS - {"AddN"}) | frozenset({
 # less than the link's (the planner chooses by cost).
 HEAVY_OPS = frozenset({
     "Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3",
+    "Einsum",  # (attention written with tf.einsum: a ViT's queries, keys, values and scores; QA r52)
 })
 RECOMPUTABLE_OPS = CHEAP_OPS | HEAVY_OPS
 # A transformer's feed-forward activation made again from the layer norm before it is nine ops
