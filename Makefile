@@ -16,9 +16,8 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 # Two workers, a test file each at a time (its module fixtures made once): most tests wait on one
-# core (a stand-in's server runs one thread), and the suite takes 9 to 15 minutes here (482 tests,
-# stop 51: 14.6 on the final clean clone beside a benchmark run on the same 2 cores, 15.4 with the
-# install and `make demo`).
+# core (a stand-in's server runs one thread), and the suite takes 9 to 15 minutes here (494 tests,
+# stop 52: 11.7 on the final clean clone, alone; 12.2 with the install, and `make demo` 17 s).
 test: install
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
