@@ -254,13 +254,11 @@ def _tune_options(strategy, swapout_threshold, swapin_ahead, swapin_groupby, syn
 def _directories_exist(*paths) -> None:
     """Refuse, before any work, to write a file into a directory that does not exist (QA r52: a
     rewrite tuned for 17 s, then said so)."""
-    from lmscli.errors import InputError
+    from lmscli.loader import output_directory
 
     for path in paths:
         if path:
-            directory = os.path.dirname(os.path.abspath(path))
-            if not os.path.isdir(directory):
-                raise InputError(f"{path}: the directory {directory} does not exist")
+            output_directory(path)
 
 
 def _judge_runs_need_the_stand_in(judge_runs, stand_in) -> None:

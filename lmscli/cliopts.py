@@ -28,8 +28,8 @@ def gpu_mem_text(ctx, param, value):
     from lmscli.device import gpu_mem_from_text
 
     def parse(text):
-        share = gpu_mem_from_text(text, 1 << 40)  # (a percentage is checked by its range)
-        if share <= 0:
+        size = gpu_mem_from_text(text, 1 << 40)  # (a percentage is checked by its range)
+        if size <= 0:
             raise InputError(f"--gpu-mem must be at least 1 byte: {text!r}")
 
     return _checked(value, parse)

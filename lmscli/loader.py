@@ -402,11 +402,17 @@ def serialize(model_or_meta, fmt: str, tag: str | None = None) -> bytes:
     raise InputError(f"cannot write format {fmt!r}; write a .meta or .pb file instead")
 
 
-def atomic_write(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same directory and a rename."""
+def output_directory(path: str) -> str:
+    """The directory a file ``path`` is to be written into; InputError when it does not exist."""
     directory = os.path.dirname(os.path.abspath(path)) or "."
     if not os.path.isdir(directory):
         raise InputError(f"{path}: the directory {directory} does not exist")
+    return directory
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same directory and a rename."""
+    directory = output_directory(path)
     fd, tmp = tempfile.mkstemp(prefix=".lms-", dir=directory)
     try:
         umask = os.umask(0)

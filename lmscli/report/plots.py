@@ -162,14 +162,12 @@ def _render(fig, fmt: str) -> bytes:
 def memory_plot(prepared, result, path: str, title: str | None = None) -> str:
     """Write the plot of a :class:`~lmscli.plan.planner.TuneResult` (or a no-swap SimResult) to ``path``
     (.png or .svg), atomically."""
-    from lmscli.loader import atomic_write
+    from lmscli.loader import atomic_write, output_directory
 
     ext = os.path.splitext(path)[1].lower()
     if ext not in (".png", ".svg"):
         raise InputError(f"{path}: the plot must be a .png or .svg file")
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise InputError(f"{path}: the directory {directory} does not exist")
+    output_directory(path)  # (before rendering)
     with _rc():
         data = _render(figure(prepared, result, title), ext[1:])
     atomic_write(path, data)
