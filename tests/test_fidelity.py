@@ -9,7 +9,7 @@ import pytest
 
 from lmscli import api
 from lmscli.prove.standin import MIB
-from tests.conftest import SAMPLES, assert_within_fidelity, generated, stacked_tf2_rnn
+from tests.conftest import SAMPLES, assert_within_fidelity, generated, stacked_tf2_rnn, v1_training_graph
 
 
 @pytest.fixture(scope="module")
@@ -254,3 +254,59 @@ def test_a_swap_out_sends_through_an_identity_so_the_kernel_still_writes_over_it
     del direct.graph_def.node[:]
     direct.graph_def.node.extend(kept)
     assert not stand_in.run(direct, again.fetches, limit, runs=1).fits
+
+
+def _seq2seq(path) -> str:
+    """A small seq2seq in v1 control flow: a tanh RNN encoder and a decoder attending over its
+    outputs with ``einsum``, each a ``while_loop`` over TensorArrays (QA r52's, smaller)."""
+    with v1_training_graph(path, control_flow_v2=False) as (tf, v1, graph), v1.variable_scope("", use_resource=True):
+        batch, steps, out_steps, width, hidden, words = 8, 16, 12, 32, 96, 200
+        init = v1.glorot_uniform_initializer(seed=3)
+        src = v1.placeholder(tf.int32, [batch, steps], name="src")
+        tgt = v1.placeholder(tf.int32, [batch, out_steps], name="tgt")
+        emb = v1.get_variable("emb", [words, width], initializer=init)
+        w_in, w_rec, w_att, w_ctx, w_out = (v1.get_variable(name, shape, initializer=init) for name, shape in (
+            ("w_in", [width, hidden]), ("w_rec", [hidden, hidden]), ("w_att", [hidden, hidden]),
+            ("w_ctx", [hidden, hidden]), ("w_out", [hidden, words])))
+
+        def over(ids, n):
+            return tf.TensorArray(tf.float32, n).unstack(tf.transpose(tf.nn.embedding_lookup(emb, ids), [1, 0, 2]))
+
+        source = over(src, steps)
+
+        def encode(t, h, outputs):
+            h = tf.tanh(tf.matmul(source.read(t), w_in) + tf.matmul(h, w_rec))
+            return t + 1, h, outputs.write(t, h)
+
+        _, state, enc = v1.while_loop(lambda t, *_: t < steps, encode,
+                                      [tf.constant(0), tf.zeros([batch, hidden]), tf.TensorArray(tf.float32, steps)])
+        enc_out = tf.transpose(enc.stack(), [1, 0, 2])
+        target = over(tgt, out_steps)
+
+        def decode(t, h, outputs):
+            scores = tf.nn.softmax(tf.einsum("bh,bth->bt", tf.matmul(h, w_att), enc_out))
+            context = tf.einsum("bt,bth->bh", scores, enc_out)
+            h = tf.tanh(tf.matmul(target.read(t), w_in) + tf.matmul(h, w_rec) + tf.matmul(context, w_ctx))
+            return t + 1, h, outputs.write(t, tf.matmul(h, w_out))
+
+        _, _, outputs = v1.while_loop(lambda t, *_: t < out_steps, decode,
+                                      [tf.constant(0), state, tf.TensorArray(tf.float32, out_steps)])
+        logits = tf.transpose(outputs.stack(), [1, 0, 2])
+        graph.loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tgt, logits=logits))
+    return str(path)
+
+
+def test_analyze_gives_the_lower_bound_tune_plans_against(stand_in, tmp_path):
+    """``analyze --stand-in``'s lower bound is the one ``tune --stand-in`` turns budgets down
+    with: both count loops running one iteration at a time, as plans run them (QA r52: a seq2seq's
+    analysis said 24.38 MiB, with the iterations its traced steps ran at once dropped but the
+    sums its loops carry not counted; tune said no plan could go under 28.03 MiB)."""
+    from lmscli.analysis import analyze
+    from lmscli.errors import NoFitError
+
+    path = _seq2seq(tmp_path / "seq2seq.meta")
+    prepared = api.for_stand_in(api.prepare(api.stand_in_step(api.load(path))), stand_in=stand_in)
+    bound = analyze(prepared).lower_bound_bytes
+    with pytest.raises(NoFitError) as caught:
+        api.tune(prepared, api.make_device(gpu_mem=bound - 1, reserve=0.0), check=False)
+    assert caught.value.bound_bytes == bound, (caught.value.bound_bytes / MIB, bound / MIB)
