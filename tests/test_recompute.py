@@ -673,3 +673,24 @@ def test_einsum_outputs_are_made_again(tmp_path):
     assert any(view.ops[view.index[op]] == "Einsum" for r in plan.recomputes for op in r.ops), plan.recomputes
     new_graph, _ = api.rewrite(prepared, plan)
     _identical(model, new_graph)
+
+
+def test_swaps_that_wait_for_their_swap_out_are_made_again_too(tmp_path_factory):
+    """The hybrid turns the swap plan's swaps into recomputations where that shortens the step,
+    those whose swap-out an op waits for included: a recomputation has no swap-out to wait for.
+    They were left as swaps, and on a U-Net they are the large ones (the encoders' activations):
+    at 70% of its need on PCIe 3 the small U-Net's hybrid was +230% against the swap plan's
+    +395%; now it is under half of that, and trains bit-identically."""
+    from tests.conftest import generated
+
+    model = api.load(str(generated(tmp_path_factory, "unet3d", volume=32, batch=1)))
+    prepared = api.prepare(model)
+    device = api.make_device(gpu_mem=int(0.7 * prepared.run_peak_bytes), reserve=0.0, link="pcie3")
+    swap = api.tune(prepared, device, TuneOptions(strategy="swap"))
+    assert any(s.waiters for s in swap.plan.swaps)
+    hybrid = api.tune(prepared, device)
+    assert hybrid.fits and hybrid.plan.recomputes
+    assert hybrid.plan.predicted["overhead"] <= 0.5 * swap.plan.predicted["overhead"], (
+        hybrid.plan.predicted["overhead"], swap.plan.predicted["overhead"])
+    new_graph, _ = api.rewrite(prepared, hybrid.plan)
+    _identical(model, new_graph)

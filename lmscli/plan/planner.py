@@ -1852,8 +1852,8 @@ def _with_recomputations(ctx: _Context, swaps: list, budget_act: int, result: Si
         if tid not in ctx.recipes or timing.out_of_time():
             continue
         swap = current[tid]
-        if swap.recompute or swap.waiters or swap.sync_out:
-            continue
+        if swap.recompute:
+            continue  # (a swap's waiters and sync_out wait for its swap-out, which a recomputation drops)
         if len(swap.groups) != 1 or tid in held:
             continue  # (a recomputation made a moment ago reads it: it stays as it is)
         group = swap.groups[0]
