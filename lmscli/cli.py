@@ -205,7 +205,8 @@ def plan_options(func):
     @click.option("--keep-order", is_flag=True,
                   help="Add no control edges that only reorder ops. By default a --stand-in plan may run an op that "
                        "frees more memory than it makes before a sibling that allocates (a filter gradient before its "
-                       "input gradient; the same results).")
+                       "input gradient; the same results), and a GPU plan may when no plan in the step's order passes "
+                       "the judge.")
     @click.option("--judge", type=click.Choice(["executor", "grappler"]), default="executor", show_default=True,
                   help="What decides that a plan fits: the simulator of TensorFlow's executor (what a run really "
                        "allocates), or Grappler's static estimate (conservative; today's TFLMS-like behaviour).")

@@ -414,6 +414,28 @@ def test_micro_batches_run_one_after_the_other_train_bit_identically_in_less(acc
     assert "original: out of memory at 6.00 MiB; rewritten: trains at 6.00 MiB, bit-identical" in proof.output
 
 
+def test_a_gpu_plan_reorders_when_no_plan_in_the_steps_order_passes_the_judge(accumulating):
+    """On a GPU the step's order is kept, unless no plan made in it passes the judge: the graph
+    TensorFlow runs interleaves the two micro-batches' backward passes (QA r54: two towers of one
+    net on one GPU had no plan at 75% of its peak). At 60% of the accumulating net's peak every
+    plan in the step's order needs more than the budget there (``--keep-order``: no plan); with
+    the fallback's moves one fits, and its rewrite trains bit-identically."""
+    from lmscli.prove import steps
+
+    model = api.load(str(accumulating))
+    prepared = api.prepare(model)
+    device = api.make_device(gpu_mem=int(prepared.run_peak_bytes * 0.6), reserve=0.0)
+    with pytest.raises(api.NoFitError):
+        api.tune(prepared, device, api.TuneOptions(reorder=False))
+    result = api.tune(prepared, device)
+    assert result.fits and result.plan.serialize
+    assert result.plan.predicted["run_peak_bytes"] <= device.budget
+    assert any("no plan made in the step's order passed the judge" in line for line in result.log)
+    meta, _ = api.rewrite(prepared, result.plan)
+    before = steps.run_steps(model.meta_graph, model.fetches, steps=2)
+    assert steps.first_difference(before, steps.run_steps(meta, model.fetches, steps=2)) is None
+
+
 def test_a_stand_in_step_is_planned_in_the_traced_order_that_needs_the_most():
     """The traced steps' orders can differ much (QA: a gradient accumulation net's micro-batches one
     after the other in two, interleaved in the third, 10.1 against 14.2 MiB): the step is planned

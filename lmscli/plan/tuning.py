@@ -3,10 +3,11 @@
 The planner (:mod:`lmscli.plan.planner`) plans against the simulator; each plan is then rewritten and
 checked (:mod:`lmscli.plan.judge`): the optimizer guard names edits that change Grappler's
 optimizations (planned again without them), and the judge gives the peak of the graph a Session
-runs, against which the planning margin moves until a plan fits (:class:`_RunSearch`). With
-``--judge grappler``, Grappler's estimate is the judge, and TFLMS's parameter sets are tried just
-below the lower bound (:func:`reordering_fallback`). :func:`find_max_batch` searches the largest
-batch size a plan fits with.
+runs, against which the planning margin moves until a plan fits (:class:`_RunSearch`); when no
+plan made in the step's order passes, a GPU's step is planned once more with ops reordered
+(:func:`_reordered_search`). With ``--judge grappler``, Grappler's estimate is the judge, and
+TFLMS's parameter sets are tried just below the lower bound (:func:`reordering_fallback`).
+:func:`find_max_batch` searches the largest batch size a plan fits with.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def _tune(prepared: Prepared, device: Device, options: TuneOptions, check: bool,
             return _or_faster_plan(prepared, device, options, check, host_device, guard, result)
         except NoFitError as exc:
             strategy = strategy_name(options.strategy)
-            if strategy not in ("hybrid", "swap") or options.tflms is not None or timing.out_of_time():
+            if strategy == "tflms" or options.tflms is not None or timing.out_of_time():
                 raise
             # The judge turned down every plan the strategy chose, and another search may still
             # pass: the hybrid reaches every budget the swap planner and TFLMS's search reach, the
@@ -88,7 +89,7 @@ def _tune(prepared: Prepared, device: Device, options: TuneOptions, check: bool,
             # that keep the step's order; TFLMS's synchronous swaps reorder it, so its search is
             # tried a little below the bound too (as by the reordering fallback).
             bound = exc.bound_bytes
-            for other in _others(prepared, strategy, fallback=True):
+            for other in _others(prepared, strategy, fallback=True) if strategy in ("hybrid", "swap") else ():
                 if bound is not None and device.budget < (bound if other == "swap" else FALLBACK_SHARE * bound):
                     continue
                 result = _search(prepared, device, options, other, check, host_device, guard)
@@ -99,6 +100,9 @@ def _tune(prepared: Prepared, device: Device, options: TuneOptions, check: bool,
                 line = (f"[LMS] no plan of the {strategy} planner passed the judge at this budget; "
                         f"{_SEARCH_NAMES[other]}'s plan does")
                 return replace(result, log=result.log + (line,))
+            reordered = _reordered_search(prepared, device, options, check, host_device, guard, bound)
+            if reordered is not None:
+                return reordered
             raise exc from None
     except NoFitError as exc:
         if not check or options.tflms is not None or prepared.schedule.memory_model != "grappler":
@@ -116,6 +120,39 @@ def _tune(prepared: Prepared, device: Device, options: TuneOptions, check: bool,
 
 
 _SEARCH_NAMES = {"swap": "the swap-only planner", "tflms": "TFLMS's parameter search"}
+
+
+def _reordered_search(prepared: Prepared, device: Device, options: TuneOptions, check: bool, host_device: str,
+                      guard: bool, bound: int | None) -> TuneResult | None:
+    """On a GPU, when the judge turned down every plan made in the step's order: the tune loop
+    once more with ops that free more than they make moved ahead, and the work on one input after
+    the work on another where the executor interleaves them (``TuneOptions(reorder=True)``, as a
+    ``--stand-in`` plan makes them by default; :func:`lmscli.plan.planner._moves`); None when there
+    are no such moves or no plan passes with them either. Only as a fallback: made by default on a
+    GPU's schedule, the moves' control edges made a transformer's plans slower (see README, Plan).
+
+    Two towers of one net on one GPU (the batch split in two, the gradients averaged, clipped and
+    accumulated; QA r54) had no plan at 12.4 MiB (75% of its 16.5 MiB peak): the executor model
+    of the graph TensorFlow runs interleaves the towers' backward passes, holding both towers'
+    input gradients and swap-ins at once (15.0 MiB, with every plan judged); with 11 ops moved
+    ahead (filter gradients before input gradients) a plan of 4 swaps needs 10.8 MiB. A gradient
+    accumulation net had no plan at 50-70% of its peak, now one at each."""
+    from lmscli.plan.planner import _moves
+
+    if (prepared.stand_in is not None or options.reorder is not None or prepared.schedule.memory_model != "executor"
+            or timing.out_of_time()):
+        return None
+    if bound is not None and device.budget < FALLBACK_SHARE * bound:
+        return None
+    moving = replace(options, reorder=True)
+    if _moves(prepared, device, moving, 0) is None:
+        return None
+    found = _search(prepared, device, moving, strategy_name(options.strategy), check, host_device, guard)
+    if found is None or not found.fits:
+        return None
+    line = ("[LMS] no plan made in the step's order passed the judge at this budget; with ops reordered by "
+            "control edges (the same results) one does (--keep-order: leave the order)")
+    return replace(found, log=found.log + (line,))
 
 
 def _others(prepared: Prepared, strategy: str, fallback: bool = False) -> tuple[str, ...]:
