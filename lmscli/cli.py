@@ -422,6 +422,8 @@ def tune(model, fmt, fetch, tag, batch_size, gpu_mem, device_preset, reserve, ho
     from lmscli.report import terminal as report
 
     _judge_runs_need_the_stand_in(judge_runs, stand_in)
+    if gpu_mem is None and device_preset is None:
+        raise click.UsageError("give the GPU memory with --gpu-mem SIZE (e.g. 16GiB or 80%) or a --device preset")
     _directories_exist(plan_out, plot, report_file)
     progress = _progress(quiet, as_json, no_color)
     with progress.phase(f"loading {model}"):
@@ -510,6 +512,10 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
     if os.path.abspath(model) == os.path.abspath(output):
         raise InputError(f"{output}: refusing to overwrite the input; write to another file")
     _judge_runs_need_the_stand_in(judge_runs, stand_in)
+    options = _tune_options(**plan_kwargs)
+    if plan_file is None and gpu_mem is None and device_preset is None and options.tflms is None:
+        raise click.UsageError("say how to plan: --gpu-mem SIZE, --device NAME, --plan plan.json, "
+                               "or TFLMS parameters (--swapout-threshold ...)")
     _directories_exist(None if dry_run else output, plan_out, plot, report_file)
     progress = _progress(quiet, as_json, no_color)
     plan = None
@@ -537,12 +543,8 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
         if stand_in:
             prepared = api.for_stand_in(prepared, judge_runs=judge_runs, feed_values=feed_values)
             link = link or STAND_IN_LINK
-    options = _tune_options(**plan_kwargs)
     if plan is not None:
         result = None
-    elif gpu_mem is None and device_preset is None and options.tflms is None:
-        raise InputError("say how to plan: --gpu-mem SIZE, --device NAME, --plan plan.json, "
-                         "or TFLMS parameters (--swapout-threshold ...)")
     else:
         if gpu_mem is None and device_preset is None:
             gpu_mem = str(NO_BUDGET)  # manual TFLMS parameters: no budget to meet

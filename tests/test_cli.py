@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from lmscli import __version__
 from tests.conftest import invoke
 
@@ -138,6 +140,16 @@ def test_a_judged_no_plan_far_over_the_budget_says_how_far():
                        "when x runs the step holds 14.03 MiB > 13.19 MiB")
     text = str(search.missed(bound))
     assert text.startswith("no swap or recompute plan found under") and text.count("holds 14.03 MiB") == 1, text
+    # Every round judged over and the search settled (QA r54: two towers, 1.41x, "slightly larger").
+    for closest, expected in ((105_000, "> 97.66 KiB after 1 round(s); try a slightly larger --gpu-mem"),
+                              (141_000, "still needs 137.70 KiB > 97.66 KiB after 1 round(s); the closest plan needed "
+                               "1.41x the budget: try a --gpu-mem that leaves 137.70 KiB after --reserve")):
+        search = _RunSearch(budget=100_000, margin=0)
+        search.judged(SimpleNamespace(result=SimpleNamespace(peak_bytes=90_000),
+                                      plan=SimpleNamespace(predicted={"run_peak_bytes": closest})), closest)
+        with pytest.raises(NoFitError) as settled:
+            search.best()
+        assert expected in str(settled.value) and str(settled.value).count("try ") == 1, str(settled.value)
 
 
 def test_the_run_search_halves_between_a_margin_over_the_budget_and_one_that_fits():

@@ -162,7 +162,9 @@ def test_bad_input_with_json_is_an_error_document(command, tmp_path, samples, ru
                                   ("verify", "MODEL"), ("nosuch",),
                                   # (QA r52: exit 1 after loading the graph)
                                   ("tune", "MODEL", "--gpu-mem", "0.5"), ("tune", "MODEL", "--gpu-mem", "0"),
-                                  ("rewrite", "MODEL", "OUT", "--gpu-mem", "9MiB", "--link", "0GB/s")])
+                                  ("rewrite", "MODEL", "OUT", "--gpu-mem", "9MiB", "--link", "0GB/s"),
+                                  # (QA r54: no budget at all, exit 1 after loading the graph)
+                                  ("tune", "MODEL"), ("rewrite", "MODEL", "OUT")])
 def test_a_usage_error_with_json_is_an_error_document_too(args, tmp_path, samples, runner):
     """Exit 2 with --json prints an lms.error document (QA r50: a bad --gpu-mem gave an empty
     stdout); the usage and the error stay on stderr, as click prints them."""

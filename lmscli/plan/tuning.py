@@ -767,9 +767,13 @@ class _RunSearch:
                 raise NoFitError(f"{self._verdict()}; try a slightly larger --gpu-mem or leave more room (--reserve) "
                                  "(near the limit, runs on the stand-in vary, so another tune may find a plan)",
                                  budget_bytes=self.budget, binding_op=self.oom_node)
+            # (the advice by how far the closest plan was: QA r54, "slightly larger" where the
+            # closest plan needed 1.41x the budget)
+            need = min((p for p in (peak, self.closest) if p is not None), default=None)
+            needs = f"{format_size(need)} > {format_size(self.budget)}" if need is not None else "more"
             raise NoFitError(f"planned for the graph as written, but the graph TensorFlow runs after its optimizations "
-                             f"still needs {format_size(peak)} > {format_size(self.budget)} after {self.rounds} round(s); try a "
-                             "slightly larger --gpu-mem", budget_bytes=self.budget)
+                             f"still needs {needs} after {self.rounds} round(s); {self._advice('')}",
+                             budget_bytes=self.budget)
         if self.found[0].plan.strategy in ("hybrid", "recompute"):  # a short step, then the least moved
             from lmscli.plan.planner import STEP_TOLERANCE
 
