@@ -468,6 +468,9 @@ def test_a_bound_raised_by_the_guard_says_so(samples):
     assert caught.value.bound_bytes > bound
     assert "3 tensor(s) the optimizer guard leaves unswapped" in str(caught.value)
     assert sched.label(big[0]) in str(caught.value)  # named, largest first, with their sizes
+    # (which tensors the guard keeps depends on the plans judged before: not found, not "can fit";
+    # QA r54, a loop's accumulator kept "can fit" under no 1.5 MiB, and hosted, a plan fitted at 2.07)
+    assert "no swap or recompute plan found under" in str(caught.value) and "can fit" not in str(caught.value)
     plan_tune(prepared, device, TuneOptions())  # without them, a plan
     with pytest.raises(NoFitError) as recomputing:  # (in the words of the strategy: QA r51)
         plan_tune(prepared, device, TuneOptions(strategy="recompute", forbidden=forbidden))
@@ -487,6 +490,22 @@ def test_a_bound_raised_by_the_guard_says_so(samples):
                            "TensorFlow runs needs less than the graph as written, so it was planned as "
                            f"{format_size(lb + (2 << 20))} for the graph as written): at "), text
     assert text.count("lower bound") == 1 and text.count("(with 3") == 1 and text.count("; try ") == 1
+
+
+def test_a_tf2_loop_accumulator_the_guard_keeps_is_named_as_one(tmp_path):
+    """A TensorFlow 2 loop's accumulator (an ``EmptyTensorList`` handle) kept by the guard is
+    named for what it keeps, as a v1 gradient stack is, not by its handle's 0 bytes (QA r54:
+    "Tanh_0/accumulator 0 B", where it kept 1 MiB of pushes on the GPU)."""
+    from lmscli.plan.planner import _guard_words
+    from tests.conftest import stacked_tf2_rnn
+
+    prepared = api.prepare(api.load(str(stacked_tf2_rnn(tmp_path / "rnn.meta", batch=4, steps=4, features=4,
+                                                        units=8, layers=1))))
+    view = prepared.view
+    lists = [view.names[i] for i in range(view.size) if view.ops[i] == "EmptyTensorList"]
+    assert lists
+    text = _guard_words(TuneOptions(forbidden=frozenset(lists[:1])), view)
+    assert f"{lists[0]} (a loop's gradient stack, kept on the GPU)" in text and " 0 B" not in text
 
 
 def test_gradients_waiting_at_a_join_are_swapped_through_identities_grappler_removes(tmp_path):

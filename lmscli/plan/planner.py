@@ -1558,8 +1558,8 @@ def _tune_on(prepared: Prepared, device: Device, options: TuneOptions, margin: i
         lb = bound.bytes
         if lb > max(budget, budget - margin):  # a negative margin plans for more than the budget
             op = sched.names[bound.position] if bound.position is not None else None
-            raise NoFitError(_no_fit_message(ctx, bound, budget, options.strategy) + _guard_words(options, ctx.view),
-                             bound_bytes=lb, binding_op=op, budget_bytes=budget)
+            raise NoFitError(_no_fit_message(ctx, bound, budget, options.strategy, bool(options.forbidden))
+                             + _guard_words(options, ctx.view), bound_bytes=lb, binding_op=op, budget_bytes=budget)
         if budget_act <= 0:  # the judge's margin left nothing for the tensors of the graph as written
             raise NoFitError(f"no plan found under {format_size(budget)}: the graph TensorFlow runs needs so much "
                              "more than the graph as written that nothing is left to plan with; try a larger "
@@ -1971,11 +1971,14 @@ def _guard_words(options: TuneOptions, view) -> str:
     sized = []
     for name in options.forbidden:
         node, _, port = name.rpartition(":")
+        if not port.isdigit():  # (a host stack is named by its node: "while/EmptyTensorList")
+            node, port = name, "0"
         i = view.index.get(node)
         sized.append((-(view.tensor_bytes(i, int(port)) if i is not None and port.isdigit() else 0), name,
-                      i is not None and view.ops[i] in ("StackV2", "Stack")))
-    # (a gradient stack's handle has no size: what it keeps, on the GPU now, is what counts; QA round 30)
-    largest = ", ".join(f"{name} (a gradient stack, kept on the GPU)" if stack else f"{name} {format_size(-size)}"
+                      i is not None and view.ops[i] in ("StackV2", "Stack", "EmptyTensorList", "TensorListReserve")))
+    # (a gradient stack's or a TensorFlow 2 loop accumulator's handle has no size: what it keeps, on
+    # the GPU now, is what counts; QA round 30, and r54: "accumulator 0 B")
+    largest = ", ".join(f"{name} (a loop's gradient stack, kept on the GPU)" if stack else f"{name} {format_size(-size)}"
                         for size, name, stack in sorted(sized)[:3])
     more = ", ..." if len(sized) > 3 else ""
     # (what the guard keeps the strategy from doing, in its words: QA r51, recompute-only answers spoke
@@ -2045,12 +2048,17 @@ def predicted(baseline: SimResult, result: SimResult, budget: int, flops: float 
         {"recompute_flops": int(flops)} if result.num_recomputes else {})
 
 
-def _no_fit_message(ctx: _Context, bound, budget: int, strategy: str) -> str:
+def _no_fit_message(ctx: _Context, bound, budget: int, strategy: str, guarded: bool = False) -> str:
+    """The answer under the lower bound. ``guarded``: the optimizer guard has kept tensors as they
+    are, which raised the bound; which ones it keeps depends on the plans judged before, so no plan
+    is *found* here, not proven impossible (QA r54: a TensorFlow 2 loop "can fit" under no 1.5 MiB
+    by a bound of 2.32 MiB with its accumulator kept, and a plan hosting it fitted at 2.07)."""
     # (a model's claim: QA saw a plan lms made for a GPU train under less on the stand-in, whose
     # executor runs another order)
     where = "the stand-in" if ctx.waited_out else "a GPU"
     model = "Grappler's estimate" if ctx.schedule.memory_model == "grappler" else "lms's model of its executor"
-    return (f"no {_plan_kind(strategy)} plan can fit under {_budget_words(ctx.device)} on {where}, by {model}: "
+    verb = "found" if guarded else "can fit"
+    return (f"no {_plan_kind(strategy)} plan {verb} under {_budget_words(ctx.device)} on {where}, by {model}: "
             f"{bound.explain(ctx.schedule, budget, _MOVED.get(strategy_name(strategy), 'swapped'))}")
 
 
