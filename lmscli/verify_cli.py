@@ -216,9 +216,14 @@ def _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, o
     if not proof.rewritten.fits:
         from lmscli.units import format_size
 
+        from lmscli.prove.standin import in_initialisation
+
         hint = ""
         gpus = _gpus(model_b.meta_graph.graph_def)
-        if len(gpus) > 1:
+        if in_initialisation(proof.rewritten.message):  # (QA r54: blamed on the runs' variation)
+            hint = (" (before any step ran: initialising the variables needs more than this limit, whatever the "
+                    "plan; try a larger --gpu-mem)")
+        elif len(gpus) > 1:
             hint = (f" (the graph places ops on {len(gpus)} GPUs, and the stand-in runs all of them in one process: "
                     "the limit holds for all GPUs together, where a plan for a GPU is made for each one alone)")
         elif _made_for_stand_in(model_b.meta_graph.graph_def):

@@ -195,3 +195,22 @@ def test_a_fraction_of_a_mib_is_judged_under_the_whole_mib_below(capsys):
                                     (api.make_device(gpu_mem=int(4.5 * 2**20)), True, True)):
         _whole_mib_note(device, stand_in=stand_in, quiet=quiet)
         assert capsys.readouterr().err == ""
+
+
+def test_a_plan_turned_down_while_the_variables_were_initialised_says_so():
+    """QA r54: a GAN's stand-in runs ran out of memory initialising its 7 MiB of variables and
+    slots under 11 MiB, before any step; the answer advised planning for less (no plan changes
+    that need) and `verify` blamed the runs' variation."""
+    from lmscli.errors import NoFitError
+    from lmscli.plan.tuning import _RunSearch
+    from lmscli.prove.standin import INIT_PHASE, _oom_message, in_initialisation
+
+    search = _RunSearch(budget=12 << 20, margin=0)
+    search.note = _oom_message("OOM when allocating tensor", INIT_PHASE, 11 << 20, "w/Adam/Initializer/zeros", None)
+    assert in_initialisation(search.note)
+    text = str(search.turned_down(NoFitError("no swap plan found under 10 MiB: at x ...; try a larger --gpu-mem")))
+    assert "initialisation ran out of memory before any step ran" in text and "planning for less" not in text, text
+    assert text.endswith("try a larger --gpu-mem")
+    search.note = _oom_message("OOM when allocating tensor", "running the step", 11 << 20, "x", None)
+    assert not in_initialisation(search.note)
+    assert "planning for less, to make room" in str(search.turned_down(NoFitError("no plan found; try it")))

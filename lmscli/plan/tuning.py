@@ -722,10 +722,19 @@ class _RunSearch:
         """Why nothing fits when the stand-in's runs turned down every plan made and planning for
         less then found none: the runs' verdict first (QA: the answer gave only the last, most
         tightened planning target, below the lower bound, with no word of the runs)."""
+        from lmscli.prove.standin import in_initialisation
+
         why = str(planning).rsplit("; try ", 1)[0]  # (its advice is replaced by this one's)
-        exc = NoFitError(f"{self._verdict()}; planning for less, to make room, found nothing ({why}); try a "
-                         "slightly larger --gpu-mem or leave more room (--reserve)", bound_bytes=planning.bound_bytes,
-                         binding_op=self.oom_node or planning.binding_op, budget_bytes=self.budget)
+        if in_initialisation(self.note):
+            # (QA r54: a GAN's 7 MiB of variables and slots could not be initialised under 11 MiB,
+            # and the answer spoke of planning for less and of the runs' variation)
+            text = (f"{self._verdict()}; the variables' initialisation ran out of memory before any step ran, and "
+                    "no plan of the step changes what it needs; try a larger --gpu-mem")
+        else:
+            text = (f"{self._verdict()}; planning for less, to make room, found nothing ({why}); try a "
+                    "slightly larger --gpu-mem or leave more room (--reserve)")
+        exc = NoFitError(text, bound_bytes=planning.bound_bytes, binding_op=self.oom_node or planning.binding_op,
+                         budget_bytes=self.budget)
         exc.log = planning.log
         return exc
 

@@ -593,6 +593,15 @@ def _same_units(size: str) -> str:
         return size
 
 
+INIT_PHASE = "initialising variables"  # a run's first phase, before any step
+
+
+def in_initialisation(message: str | None) -> bool:
+    """The failure ``message`` of a run came while its variables were initialised, before any step
+    ran: no plan of the step changes that need."""
+    return bool(message) and f"while {INIT_PHASE}:" in message
+
+
 def _oom_message(text: str, phase: str, limit_bytes: int | None, node: str | None,
                  need_bytes: int | None = None) -> str:
     """One line from the allocator's log line, TensorFlow's OOM error, or the watch's own finding.
@@ -822,7 +831,7 @@ class StandIn:
         options = tf.compat.v1.RunOptions(timeout_in_ms=int(self.timeout_s * 1000))
         tracing = tf.compat.v1.RunOptions(timeout_in_ms=int(self.timeout_s * 1000),
                                           trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
-        phase = "initialising variables"
+        phase = INIT_PHASE
         try:
             with self._session(pair, g.graph) as sess:
                 sess.run(g.init, feed_dict=g.init_feed, options=options)
