@@ -214,9 +214,8 @@ def _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, o
     else:
         _render_limit(_console(no_color), proof, (prediction_a, prediction_b))
     if not proof.rewritten.fits:
-        from lmscli.units import format_size
-
         from lmscli.prove.standin import in_initialisation
+        from lmscli.units import format_size
 
         hint = ""
         gpus = _gpus(model_b.meta_graph.graph_def)
