@@ -161,7 +161,7 @@ def verify(original, rewritten, steps, batch_size, fetch, loss, no_measure, tf_o
     progress = Progress.for_output(as_json=as_json, no_color=no_color)
     with progress.phase("loading"):
         model_a = api.load(original, fetch=fetches)
-        model_b = api.load(rewritten, fetch=list(model_a.fetches))
+        model_b = _rewrite_of(model_a, rewritten, api)
         batch_size = rewrite_batch_size(model_a.meta_graph, model_b.meta_graph, batch_size)
     _integer_note(model_a, feed_values)
     if gpu_mem is not None:
@@ -179,6 +179,23 @@ def verify(original, rewritten, steps, batch_size, fetch, loss, no_measure, tf_o
     if not result.identical:
         raise verifier.DifferentResults(f"{rewritten} computes different results from {original}: "
                                         f"{result.difference.message}")
+
+
+def _rewrite_of(model_a, rewritten: str, api):
+    """``rewritten`` loaded to run the step ``model_a`` runs; an input error naming both when it
+    lacks one of that step's ops (QA r54: "--fetch names no node 'AdamD'" for an unrelated graph,
+    where no --fetch was given)."""
+    from lmscli.errors import InputError
+
+    try:
+        return api.load(rewritten, fetch=list(model_a.fetches))
+    except InputError as exc:
+        if "--fetch names no node" not in str(exc):
+            raise
+        missing = str(exc).rsplit("names no node ", 1)[1]
+        source = "--fetch" if model_a.fetch_source == "option" else model_a.fetch_source
+        raise InputError(f"{rewritten} is not a rewrite of {model_a.path}: it has no node {missing}, which the "
+                         f"original's step runs (from {source}); give an original and the graph lms rewrote from it") from None
 
 
 def _verify_at_limit(model_a, model_b, gpu_mem, steps, batch_size, loss, runs, optimize, as_json, no_color,

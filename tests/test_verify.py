@@ -243,6 +243,17 @@ def test_two_unrelated_graphs_are_no_original_and_rewrite(gpu_mem):
     assert result.exit_code == 1, result.output
     assert "is not a rewrite of" in result.stderr and "their variables differ" in result.stderr
 
+
+def test_a_graph_without_the_originals_step_is_no_rewrite_of_it():
+    """QA r54: a graph lacking an op of the original's step read "--fetch names no node 'AdamD'",
+    where no --fetch was given."""
+    result = _run(SAMPLES / "cnn.meta", SAMPLES / "frozen_cnn.pb")
+    assert result.exit_code == 1, result.output
+    assert (f"{SAMPLES / 'frozen_cnn.pb'} is not a rewrite of {SAMPLES / 'cnn.meta'}: it has no node "
+            "'apply_gradients', which the original's step runs (from train_op)") in result.stderr, result.stderr
+    assert "--fetch" not in result.stderr
+
+
 def test_chain_leaves_control_flow_alone():
     """Measuring in schedule order never chains into a while loop or after its Exit (that deadlocks)."""
     model = api.load(str(SAMPLES / "while_rnn.meta"))
