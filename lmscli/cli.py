@@ -304,6 +304,19 @@ def _no_fit_json(schema: str, as_json: bool, verbose: bool = False):
         raise
 
 
+def _format_note(path: str, fmt: str, quiet: bool) -> None:
+    """Say on stderr (unless -q) that ``path``, written in the input's format ``fmt``, has the
+    extension of the other one (QA r54: a MetaGraphDef written to a .pb without a word)."""
+    name = path.lower()
+    named = "graphdef" if name.endswith((".pb", ".pbtxt")) and not name.endswith(".meta.pbtxt") else (
+        "metagraph" if name.endswith((".meta", ".meta.txt", ".meta.pbtxt")) else None)
+    if quiet or named is None or fmt.startswith(named):
+        return
+    kinds = {"metagraph": "MetaGraphDef", "graphdef": "GraphDef"}
+    click.echo(f"note: {path} holds a {kinds[fmt.split('-')[0]]} (the input's format), not the {kinds[named]} its name "
+               "suggests: lms reads it by its content, other tools may not", err=True)
+
+
 def _whole_mib_note(device, stand_in: bool, quiet: bool) -> None:
     """With --stand-in, say on stderr (unless -q) that a --gpu-mem of a fraction of a MiB is judged
     under the whole MiB below it, as the stand-in's allocator takes its limit (QA r48: 4.5MiB was
@@ -566,6 +579,7 @@ def rewrite(model, output, fmt, fetch, tag, batch_size, gpu_mem, device_preset, 
         written = None
         if not dry_run:
             written = api.save(loaded, new_graph, output)
+            _format_note(output, written, quiet)
         event_file = None
         if tensorboard_logdir:
             from lmscli.report.tensorboard import write_graph

@@ -214,3 +214,14 @@ def test_a_plan_turned_down_while_the_variables_were_initialised_says_so():
     search.note = _oom_message("OOM when allocating tensor", "running the step", 11 << 20, "x", None)
     assert not in_initialisation(search.note)
     assert "planning for less, to make room" in str(search.turned_down(NoFitError("no plan found; try it")))
+
+
+def test_an_output_named_for_the_other_format_gets_a_note(tmp_path, samples, runner):
+    """QA r54: `lms rewrite model.meta out.pb` wrote a MetaGraphDef (the input's format) into a
+    .pb without a word; a note says so (and none when the name fits, or with -q)."""
+    other = invoke(runner, "rewrite", samples / "mlp.meta", tmp_path / "out.pb", "--gpu-mem", "1GiB")
+    assert other.exit_code == 0, other.output
+    assert "out.pb holds a MetaGraphDef (the input's format), not the GraphDef its name suggests" in other.stderr
+    for args in ((tmp_path / "out.meta",), (tmp_path / "again.pb", "-q")):
+        done = invoke(runner, "rewrite", samples / "mlp.meta", *args, "--gpu-mem", "1GiB")
+        assert done.exit_code == 0 and "its name suggests" not in done.stderr, done.output
