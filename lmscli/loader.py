@@ -198,7 +198,6 @@ def load(path: str, fmt: str | None = None, fetch: list[str] | None = None, tag:
         raise InputError(f"unknown format {fmt!r} (choose from {', '.join(FORMATS)})")
     if not os.path.exists(path):
         raise InputError(f"{path}: no such file or directory")
-    _, meta_graph_pb2, _ = _protos()
     saved_tag = None
     if os.path.isdir(path) or fmt == "savedmodel":
         if not os.path.isdir(path):
@@ -212,7 +211,8 @@ def load(path: str, fmt: str | None = None, fetch: list[str] | None = None, tag:
         except OSError as exc:
             raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
         if not data:
-            raise InputError(f"{path}: the file is empty")
+            raise InputError(f"{path}: the file is empty")  # (before TensorFlow's import: QA r54, 4-7 s)
+        _, meta_graph_pb2, _ = _protos()
         lower = path.lower()
         prefer_meta = ".meta" in lower or (fmt or "").startswith("metagraph")
         text = None

@@ -25,6 +25,27 @@ def test_help_and_version_do_not_import_tensorflow():
     assert "analyze" in done.stdout and __version__ in done.stdout
 
 
+def test_inputs_refused_before_any_graph_is_read_do_not_import_tensorflow(tmp_path):
+    """An empty file, a missing one and a missing budget are refused at once (QA r54: 4-7 s each,
+    TensorFlow imported first)."""
+    empty = tmp_path / "empty.meta"
+    empty.write_bytes(b"")
+    code = (
+        "import sys\n"
+        "from lmscli.cli import main\n"
+        f"for args, rc in ((['analyze', {str(empty)!r}], 1), (['analyze', {str(tmp_path / 'no.meta')!r}], 1),\n"
+        f"                 (['tune', {str(empty)!r}], 2)):\n"
+        "    try:\n"
+        "        main(args)\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == rc, (args, e.code)\n"
+        "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "the file is empty" in done.stderr and "no such file" in done.stderr and "--gpu-mem" in done.stderr
+
+
 def test_usage_error_is_exit_2(runner):
     result = invoke(runner, "analyze")
     assert result.exit_code == 2
