@@ -313,8 +313,9 @@ def _format_note(path: str, fmt: str, quiet: bool) -> None:
     if quiet or named is None or fmt.startswith(named):
         return
     kinds = {"metagraph": "MetaGraphDef", "graphdef": "GraphDef"}
-    click.echo(f"note: {path} holds a {kinds[fmt.split('-')[0]]} (the input's format), not the {kinds[named]} its name "
-               "suggests: lms reads it by its content, other tools may not", err=True)
+    click.echo(f"note: {path} holds a {kinds[fmt.split('-')[0]]}, not the {kinds[named]} its name suggests: lms writes "
+               "the format it read (a SavedModel's step as a MetaGraphDef) and reads it back by its content; other "
+               "tools may not", err=True)
 
 
 def _whole_mib_note(device, stand_in: bool, quiet: bool) -> None:

@@ -242,7 +242,7 @@ def test_an_output_named_for_the_other_format_gets_a_note(tmp_path, samples, run
     .pb without a word; a note says so (and none when the name fits, or with -q)."""
     other = invoke(runner, "rewrite", samples / "mlp.meta", tmp_path / "out.pb", "--gpu-mem", "1GiB")
     assert other.exit_code == 0, other.output
-    assert "out.pb holds a MetaGraphDef (the input's format), not the GraphDef its name suggests" in other.stderr
+    assert "out.pb holds a MetaGraphDef, not the GraphDef its name suggests: lms writes the format it read" in other.stderr
     for args in ((tmp_path / "out.meta",), (tmp_path / "again.pb", "-q")):
         done = invoke(runner, "rewrite", samples / "mlp.meta", *args, "--gpu-mem", "1GiB")
         assert done.exit_code == 0 and "its name suggests" not in done.stderr, done.output
