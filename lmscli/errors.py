@@ -54,8 +54,9 @@ class NoFitError(LmsError):
         self.binding_op = binding_op
         self.budget_bytes = budget_bytes
         self.log: tuple[str, ...] = ()  # the planner's [LMS] lines up to the answer (shown with -v)
+        self.closest_bytes: int | None = None  # the least a judged plan needed, when every one was over
 
     def to_dict(self) -> dict:
         """The answer as JSON fields (``no_fit`` in the documents of ``tune`` and ``rewrite``)."""
         return {"reason": str(self), "budget_bytes": self.budget_bytes, "lower_bound_bytes": self.bound_bytes,
-                "binding_op": self.binding_op}
+                "binding_op": self.binding_op, "closest_bytes": self.closest_bytes}

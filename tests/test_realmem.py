@@ -121,7 +121,7 @@ def test_no_plan_is_a_json_document_too(runner, samples):
     assert done.exit_code == 3
     doc = json.loads(done.stdout)
     assert doc["schema"] == "lms.tune" and doc["fits"] is False and doc["plan"] is None
-    assert set(doc["no_fit"]) == {"reason", "budget_bytes", "lower_bound_bytes", "binding_op"}
+    assert set(doc["no_fit"]) == {"reason", "budget_bytes", "lower_bound_bytes", "binding_op", "closest_bytes"}
     assert doc["no_fit"]["lower_bound_bytes"] > doc["no_fit"]["budget_bytes"] and doc["no_fit"]["binding_op"]
     rewritten = invoke(runner, "rewrite", samples / "cnn.meta", "/tmp/never-written.meta", "--gpu-mem", "30%", "--json")
     assert rewritten.exit_code == 3 and json.loads(rewritten.stdout)["schema"] == "lms.rewrite"

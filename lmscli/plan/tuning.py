@@ -100,9 +100,12 @@ def _tune(prepared: Prepared, device: Device, options: TuneOptions, check: bool,
                 line = (f"[LMS] no plan of the {strategy} planner passed the judge at this budget; "
                         f"{_SEARCH_NAMES[other]}'s plan does")
                 return replace(result, log=result.log + (line,))
-            reordered = _reordered_search(prepared, device, options, check, host_device, guard, bound)
+            reordered, failed = _reordered_search(prepared, device, options, check, host_device, guard, bound)
             if reordered is not None:
                 return reordered
+            if failed is not None and failed.closest_bytes is not None and (
+                    exc.closest_bytes is None or failed.closest_bytes < exc.closest_bytes):
+                raise failed from None  # (its advice is nearer the truth: QA r54, 1.02x against 1.41x)
             raise exc from None
     except NoFitError as exc:
         if not check or options.tflms is not None or prepared.schedule.memory_model != "grappler":
@@ -123,13 +126,15 @@ _SEARCH_NAMES = {"swap": "the swap-only planner", "tflms": "TFLMS's parameter se
 
 
 def _reordered_search(prepared: Prepared, device: Device, options: TuneOptions, check: bool, host_device: str,
-                      guard: bool, bound: int | None) -> TuneResult | None:
+                      guard: bool, bound: int | None) -> tuple[TuneResult | None, NoFitError | None]:
     """On a GPU, when the judge turned down every plan made in the step's order: the tune loop
     once more with ops that free more than they make moved ahead, and the work on one input after
     the work on another where the executor interleaves them (``TuneOptions(reorder=True)``, as a
     ``--stand-in`` plan makes them by default; :func:`lmscli.plan.planner._moves`); None when there
-    are no such moves or no plan passes with them either. Only as a fallback: made by default on a
-    GPU's schedule, the moves' control edges made a transformer's plans slower (see README, Plan).
+    are no such moves or no plan passes with them either. ``(result, None)``, or ``(None, error)``
+    when the loop ran and found none (its answer, said to be with the moves), else ``(None, None)``.
+    Only as a fallback: made by default on a GPU's schedule, the moves' control edges made a
+    transformer's plans slower (see README, Plan).
 
     Two towers of one net on one GPU (the batch split in two, the gradients averaged, clipped and
     accumulated; QA r54) had no plan at 12.4 MiB (75% of its 16.5 MiB peak): the executor model
@@ -141,18 +146,23 @@ def _reordered_search(prepared: Prepared, device: Device, options: TuneOptions, 
 
     if (prepared.stand_in is not None or options.reorder is not None or prepared.schedule.memory_model != "executor"
             or timing.out_of_time()):
-        return None
+        return None, None
     if bound is not None and device.budget < FALLBACK_SHARE * bound:
-        return None
+        return None, None
     moving = replace(options, reorder=True)
     if _moves(prepared, device, moving, 0) is None:
-        return None
-    found = _search(prepared, device, moving, strategy_name(options.strategy), check, host_device, guard)
-    if found is None or not found.fits:
-        return None
+        return None, None
+    try:
+        found = checked_tune(prepared, device, moving, check, host_device, guard)
+    except NoFitError as failed:
+        failed.args = (f"no plan passed the judge in the step's order, nor with ops reordered by control edges: "
+                       f"{failed}",)
+        return None, failed
+    if not found.fits:
+        return None, None
     line = ("[LMS] no plan made in the step's order passed the judge at this budget; with ops reordered by "
             "control edges (the same results) one does (--keep-order: leave the order)")
-    return replace(found, log=found.log + (line,))
+    return replace(found, log=found.log + (line,)), None
 
 
 def _others(prepared: Prepared, strategy: str, fallback: bool = False) -> tuple[str, ...]:
@@ -756,6 +766,7 @@ class _RunSearch:
                          f"{self._advice(kind)}", bound_bytes=planning.bound_bytes,
                          binding_op=planning.binding_op, budget_bytes=self.budget)
         exc.log = planning.log
+        exc.closest_bytes = self.closest
         return exc
 
     def _advice(self, kind: str) -> str:
@@ -780,9 +791,11 @@ class _RunSearch:
             # closest plan needed 1.41x the budget)
             need = min((p for p in (peak, self.closest) if p is not None), default=None)
             needs = f"{format_size(need)} > {format_size(self.budget)}" if need is not None else "more"
-            raise NoFitError(f"planned for the graph as written, but the graph TensorFlow runs after its optimizations "
+            exc = NoFitError(f"planned for the graph as written, but the graph TensorFlow runs after its optimizations "
                              f"still needs {needs} after {self.rounds} round(s); {self._advice('')}",
                              budget_bytes=self.budget)
+            exc.closest_bytes = need
+            raise exc
         if self.found[0].plan.strategy in ("hybrid", "recompute"):  # a short step, then the least moved
             from lmscli.plan.planner import STEP_TOLERANCE
 
