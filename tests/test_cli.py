@@ -9,32 +9,13 @@ from lmscli import __version__
 from tests.conftest import invoke
 
 
-def test_help_and_version_do_not_import_tensorflow():
+def _without_tensorflow(runs) -> subprocess.CompletedProcess:
+    """``main(args)`` for each ``(args, exit code)`` of ``runs``, in a fresh interpreter that must
+    not import TensorFlow; the finished process (its output, for the caller's checks)."""
     code = (
         "import sys\n"
         "from lmscli.cli import main\n"
-        "for args in (['--help'], ['--version'], ['analyze', '--help']):\n"
-        "    try:\n"
-        "        main(args)\n"
-        "    except SystemExit as e:\n"
-        "        assert e.code == 0, e.code\n"
-        "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert "analyze" in done.stdout and __version__ in done.stdout
-
-
-def test_inputs_refused_before_any_graph_is_read_do_not_import_tensorflow(tmp_path):
-    """An empty file, a missing one and a missing budget are refused at once (QA r54: 4-7 s each,
-    TensorFlow imported first)."""
-    empty = tmp_path / "empty.meta"
-    empty.write_bytes(b"")
-    code = (
-        "import sys\n"
-        "from lmscli.cli import main\n"
-        f"for args, rc in ((['analyze', {str(empty)!r}], 1), (['analyze', {str(tmp_path / 'no.meta')!r}], 1),\n"
-        f"                 (['tune', {str(empty)!r}], 2)):\n"
+        f"for args, rc in {runs!r}:\n"
         "    try:\n"
         "        main(args)\n"
         "    except SystemExit as e:\n"
@@ -43,6 +24,21 @@ def test_inputs_refused_before_any_graph_is_read_do_not_import_tensorflow(tmp_pa
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_help_and_version_do_not_import_tensorflow():
+    done = _without_tensorflow([(["--help"], 0), (["--version"], 0), (["analyze", "--help"], 0)])
+    assert "analyze" in done.stdout and __version__ in done.stdout
+
+
+def test_inputs_refused_before_any_graph_is_read_do_not_import_tensorflow(tmp_path):
+    """An empty file, a missing one and a missing budget are refused at once (QA r54: 4-7 s each,
+    TensorFlow imported first)."""
+    empty = tmp_path / "empty.meta"
+    empty.write_bytes(b"")
+    done = _without_tensorflow([(["analyze", str(empty)], 1), (["analyze", str(tmp_path / "no.meta")], 1),
+                                (["tune", str(empty)], 2)])
     assert "the file is empty" in done.stderr and "no such file" in done.stderr and "--gpu-mem" in done.stderr
 
 
