@@ -130,9 +130,9 @@ def _reordered_search(prepared: Prepared, device: Device, options: TuneOptions, 
     """On a GPU, when the judge turned down every plan made in the step's order: the tune loop
     once more with ops that free more than they make moved ahead, and the work on one input after
     the work on another where the executor interleaves them (``TuneOptions(reorder=True)``, as a
-    ``--stand-in`` plan makes them by default; :func:`lmscli.plan.planner._moves`); None when there
-    are no such moves or no plan passes with them either. ``(result, None)``, or ``(None, error)``
-    when the loop ran and found none (its answer, said to be with the moves), else ``(None, None)``.
+    ``--stand-in`` plan makes them by default; :func:`lmscli.plan.planner._moves`): ``(result,
+    None)``, or ``(None, error)`` when the loop ran and found no plan (its answer, said to be with
+    the moves), or ``(None, None)`` when it did not run (no such moves, or out of its scope).
     Only as a fallback: made by default on a GPU's schedule, the moves' control edges made a
     transformer's plans slower (see README, Plan).
 
