@@ -16,8 +16,8 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 # Two workers, a test file each at a time (its module fixtures made once): most tests wait on one
-# core (a stand-in's server runs one thread), and the suite takes 9 to 15 minutes here (504 tests,
-# stop 54: 10.8 on the final clean clone, alone; 11.3 with the install, and `make demo` 11 s).
+# core (a stand-in's server runs one thread), and the suite takes 9 to 15 minutes here (506 tests,
+# stop 54: 11.4 on the final clean clone, alone; 11.9 with the install, and `make demo` 11 s).
 test: install
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
