@@ -32,6 +32,14 @@ class InputError(LmsError):
     """The input file or directory cannot be read as a graph."""
 
 
+class MissingFetchError(InputError):
+    """A fetch names no node of the graph (``node``: the first one missing)."""
+
+    def __init__(self, message: str, node: str):
+        super().__init__(message)
+        self.node = node
+
+
 class GraphError(LmsError):
     """The graph is readable but malformed (dangling inputs, duplicate names, cycles)."""
 

@@ -13,7 +13,7 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 
-from lmscli.errors import GraphError, InputError
+from lmscli.errors import GraphError, InputError, MissingFetchError
 from lmscli.tfimport import tensorflow
 from lmscli.timing import timed
 
@@ -306,7 +306,7 @@ def _choose_fetches(model: Model, fetch: list[str] | None) -> None:
         wanted = [_node_of(f) for f in fetch]
         missing = [f for f in wanted if f not in names]
         if missing:
-            raise InputError(f"{model.path}: --fetch names no node {missing[0]!r}")
+            raise MissingFetchError(f"{model.path}: --fetch names no node {missing[0]!r}", missing[0])
         model.fetches, model.fetch_source = tuple(wanted), "option"
         return
     train = [_node_of(n) for n in _collection_names(model.meta_graph, "train_op")]

@@ -185,16 +185,13 @@ def _rewrite_of(model_a, rewritten: str, api):
     """``rewritten`` loaded to run the step ``model_a`` runs; an input error naming both when it
     lacks one of that step's ops (QA r54: "--fetch names no node 'AdamD'" for an unrelated graph,
     where no --fetch was given)."""
-    from lmscli.errors import InputError
+    from lmscli.errors import InputError, MissingFetchError
 
     try:
         return api.load(rewritten, fetch=list(model_a.fetches))
-    except InputError as exc:
-        if "--fetch names no node" not in str(exc):
-            raise
-        missing = str(exc).rsplit("names no node ", 1)[1]
+    except MissingFetchError as exc:
         source = "--fetch" if model_a.fetch_source == "option" else model_a.fetch_source
-        raise InputError(f"{rewritten} is not a rewrite of {model_a.path}: it has no node {missing}, which the "
+        raise InputError(f"{rewritten} is not a rewrite of {model_a.path}: it has no node {exc.node!r}, which the "
                          f"original's step runs (from {source}); give an original and the graph lms rewrote from it") from None
 
 
@@ -337,11 +334,11 @@ def _load_like(path: str, first, fetches):
     """Load ``path`` to run the step ``first`` runs (a rewrite of it), or, when it has none of
     those ops and no --fetch was given, its own step: an unrelated graph measured beside it."""
     from lmscli import api
-    from lmscli.errors import InputError
+    from lmscli.errors import MissingFetchError
 
     try:
         return api.load(path, fetch=list(first.fetches))
-    except InputError:
+    except MissingFetchError:
         if fetches:
             raise
         return api.load(path)

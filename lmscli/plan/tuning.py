@@ -89,7 +89,7 @@ def _tune(prepared: Prepared, device: Device, options: TuneOptions, check: bool,
             # that keep the step's order; TFLMS's synchronous swaps reorder it, so its search is
             # tried a little below the bound too (as by the reordering fallback).
             bound = exc.bound_bytes
-            for other in _others(prepared, strategy, fallback=True) if strategy in ("hybrid", "swap") else ():
+            for other in _others(prepared, strategy, fallback=True):
                 if bound is not None and device.budget < (bound if other == "swap" else FALLBACK_SHARE * bound):
                     continue
                 result = _search(prepared, device, options, other, check, host_device, guard)
@@ -789,7 +789,7 @@ class _RunSearch:
                                  budget_bytes=self.budget, binding_op=self.oom_node)
             # (the advice by how far the closest plan was: QA r54, "slightly larger" where the
             # closest plan needed 1.41x the budget)
-            need = min((p for p in (peak, self.closest) if p is not None), default=None)
+            need = self.closest if self.closest is not None else peak  # (the least of the judged plans)
             needs = f"{format_size(need)} > {format_size(self.budget)}" if need is not None else "more"
             exc = NoFitError(f"planned for the graph as written, but the graph TensorFlow runs after its optimizations "
                              f"still needs {needs} after {self.rounds} round(s); {self._advice('')}",
